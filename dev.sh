@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# dsopt's two commands. Each one sets everything up on a fresh machine with Python 3 and pip:
+#   bash dev.sh demo   # the main job
+#   bash dev.sh test   # lint + the whole test suite (what CI runs, via .ci/run)
+# The virtual environment lives in .venv (override with DSOPT_VENV=path).
+# torch: on a machine without an NVIDIA GPU we install the CPU build first, so that the
+# dependency "torch" does not pull a multi-GB CUDA build; override with DSOPT_TORCH="torch==X".
+set -euo pipefail
+cd "$(dirname "$0")"
+venv="${DSOPT_VENV:-.venv}"
+py="$venv/bin/python"
+
+setup() {
+  [ -x "$py" ] || python3 -m venv "$venv"
+  if ! "$py" -c "import torch" >/dev/null 2>&1; then
+    local spec="${DSOPT_TORCH:-}"
+    if [ -z "$spec" ]; then
+      if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then spec="torch"; else spec="torch==2.13.0"; fi
+    fi
+    "$py" -m pip install --quiet --disable-pip-version-check "$spec"
+  fi
+  "$py" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+}
+
+case "${1:-}" in
+  demo)
+    setup
+    "$venv/bin/dsopt" ledger studies/seed-1b-2x24gb.yaml --all
+    ;;
+  test)
+    setup
+    "$venv/bin/ruff" check optimizer launchers tests benchmarks
+    "$py" -m pytest -q
+    ;;
+  *)
+    echo "usage: bash dev.sh demo | test" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,7 @@
+"""dsopt: search-based optimizer for DeepSpeed training configurations.
+
+The library is a pure core (specs, search space, memory ledger) with I/O at the edges
+(study-file loading, the CLI); see the repository README for the data flow.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,105 @@
+"""The ``dsopt`` command line. Thin: parse, load the study, one library call, print.
+
+``main()`` returns the exit code: 0 on success, 2 on a user mistake (printed on one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from optimizer.errors import EXIT_USER_ERROR, UserError
+from optimizer.knobs import KNOB_NAMES, Candidate, with_knobs
+from optimizer.ledger import evaluate
+from optimizer.ledger_report import all_json, all_table, ledger_json, ledger_table
+from optimizer.specs import SeedModel, baseline_candidate
+from optimizer.study_file import StudySpec, load_study
+from optimizer.transformer import parameter_count
+
+
+def _parse_sets(pairs: Sequence[str], *, base: Candidate) -> Candidate:
+    overrides: dict[str, object] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise UserError(source="--set", key=pair, why="expected knob=value, e.g. zero_stage=2")
+        if name not in KNOB_NAMES:
+            raise UserError(source="--set", key=name, why=f"unknown knob; knobs are {', '.join(KNOB_NAMES)}")
+        if name in overrides:
+            raise UserError(source="--set", key=name, why="given twice")
+        overrides[name] = value
+    try:
+        return with_knobs(base, overrides)
+    except ValueError as err:
+        bad = next((n for n in overrides if _bad_value(n, overrides[n])), "")
+        raise UserError(source="--set", key=bad, why=str(err)) from None
+
+
+def _bad_value(name: str, value: object) -> bool:
+    from optimizer.knobs import parse_knob
+
+    try:
+        parse_knob(name, value)
+    except ValueError:
+        return True
+    return False
+
+
+def _psi(study: StudySpec) -> int:
+    return study.model.parameters if isinstance(study.model, SeedModel) else parameter_count(study.model)
+
+
+def _ledger(args: argparse.Namespace) -> int:
+    study = load_study(args.study)
+    base = baseline_candidate(study.training)
+    spec = {"model": study.model, "hardware": study.hardware, "training": study.training}
+    if args.all:
+        if args.set:
+            raise UserError(source="--set", key="", why="--all evaluates the whole search space; drop --set")
+        verdicts = [evaluate(candidate=c, **spec) for c in study.search_space.candidates(base)]
+        if args.json:
+            print(json.dumps(all_json(verdicts, study=study.name), indent=2))
+        else:
+            print(all_table(verdicts, study=study.name))
+        return 0
+    candidate = _parse_sets(args.set, base=base)
+    verdict = evaluate(candidate=candidate, **spec)
+    if verdict.ledger is None:
+        knobs = " ".join(f"{k}={v}" for k, v in candidate.knobs().items())
+        raise UserError(source="--set", key=knobs, why="invalid combination: " + "; ".join(verdict.invalid_reasons))
+    if args.json:
+        out = ledger_json(verdict.ledger)
+        out["study"] = study.name
+        out["parameters"] = _psi(study)
+        print(json.dumps(out, indent=2))
+    else:
+        print(ledger_table(verdict.ledger, study=study.name, psi=_psi(study)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsopt", description="Search-based optimizer for DeepSpeed configurations.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ledger = sub.add_parser("ledger", help="itemised per-GPU / host / NVMe memory and the fits verdict")
+    ledger.add_argument("study", help="study file, e.g. studies/seed-1b-2x24gb.yaml")
+    ledger.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
+                        help=f"set a knob (repeatable); knobs: {', '.join(KNOB_NAMES)}; others take the baseline")
+    ledger.add_argument("--all", action="store_true", help="every candidate of the study's search space, sorted")
+    ledger.add_argument("--json", action="store_true", help="print JSON (integer bytes)")
+    ledger.set_defaults(run=_ledger)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except UserError as err:
+        print(f"dsopt: error: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

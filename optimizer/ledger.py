@@ -1,0 +1,210 @@
+"""The analytic memory ledger: every byte per GPU, per host and on NVMe, and the verdict (pure).
+
+A ledger is a list of :class:`LedgerItem` — one tensor class each, with its bytes *per rank*,
+where it lives (GPU, host, NVMe), which category it belongs to, when it is live, and the formula
+and source it came from. From the items:
+
+* the per-GPU peak is the always-live items plus the larger of the backward-phase and the
+  step-phase items (activations are gone by the optimizer step; the step's FP32 gradient copy
+  does not exist during backward) — the seed's rule, "measure the per-card *peak*";
+* the per-host and NVMe totals add up every rank on one node;
+* the verdict compares the GPU peak, inflated by the allocator's reserved/allocated overhead and
+  the device reserve (CUDA context, NCCL), with the device memory; host and NVMe totals with
+  their capacities.
+
+Two modes fill the items: seed mode (:mod:`optimizer.seed_ledger`, the seed's explicit numbers)
+and transformer mode (:mod:`optimizer.model_states`, :mod:`optimizer.transformer`,
+:mod:`optimizer.zero_buffers`, following what DeepSpeed allocates). Nothing here imports torch
+or deepspeed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from optimizer.constraints import invalid_reasons
+from optimizer.knobs import Candidate
+from optimizer.ledger_items import Category, LedgerItem, Location, Phase
+from optimizer.model_states import transformer_items
+from optimizer.seed_ledger import seed_items
+from optimizer.specs import HardwareSpec, ModelSpec, SeedModel, TrainingSpec
+
+__all__ = [
+    "Category",
+    "InvalidCandidate",
+    "Ledger",
+    "LedgerItem",
+    "Location",
+    "Phase",
+    "Verdict",
+    "compute_ledger",
+    "evaluate",
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Ledger:
+    """The itemised memory of one candidate and the verdict."""
+
+    candidate: Candidate
+    """The candidate this ledger is for."""
+    items: tuple[LedgerItem, ...]
+    """Every item, bytes per rank."""
+    ranks_per_node: int
+    """Ranks sharing one host and one NVMe."""
+    gpu_capacity_bytes: int
+    """Nominal device memory."""
+    device_reserve_bytes: int
+    """Outside the allocator: CUDA context, NCCL buffers."""
+    allocator_overhead: float
+    """Reserved/allocated − 1 assumed for the caching allocator."""
+    host_capacity_bytes: int | None
+    """Host RAM per node; None = unchecked."""
+    nvme_capacity_bytes: int | None
+    """NVMe capacity per node; None = unchecked."""
+
+    def _gpu_items(self, phase: Phase) -> list[LedgerItem]:
+        return [i for i in self.items if i.location is Location.GPU and i.phase is phase]
+
+    @property
+    def peak_phase(self) -> Phase:
+        """The phase whose transient items make the per-GPU peak (backward on a tie)."""
+        backward = sum(i.bytes for i in self._gpu_items(Phase.BACKWARD))
+        step = sum(i.bytes for i in self._gpu_items(Phase.STEP))
+        return Phase.STEP if step > backward else Phase.BACKWARD
+
+    def peak_items(self) -> list[LedgerItem]:
+        """GPU items live at the peak: the always-live ones and the peak phase's."""
+        return self._gpu_items(Phase.ALWAYS) + self._gpu_items(self.peak_phase)
+
+    def per_gpu(self) -> dict[str, int]:
+        """Bytes per GPU at the peak, by category, plus ``total``."""
+        out = {category.value: 0 for category in Category}
+        for item in self.peak_items():
+            out[item.category.value] += item.bytes
+        out["total"] = sum(out.values())
+        return out
+
+    def phase_totals(self) -> dict[str, int]:
+        """Per-GPU bytes if each transient phase were the peak."""
+        always = sum(i.bytes for i in self._gpu_items(Phase.ALWAYS))
+        return {
+            Phase.BACKWARD.value: always + sum(i.bytes for i in self._gpu_items(Phase.BACKWARD)),
+            Phase.STEP.value: always + sum(i.bytes for i in self._gpu_items(Phase.STEP)),
+        }
+
+    def per_rank_at(self, location: Location) -> int:
+        """Bytes one rank holds at ``location`` (host or NVMe), all phases together."""
+        return sum(i.bytes for i in self.items if i.location is location)
+
+    @property
+    def predicted_reserved_bytes(self) -> int:
+        """The allocator's reserved peak: allocated peak × (1 + overhead), rounded up."""
+        return math.ceil(self.per_gpu()["total"] * (1.0 + self.allocator_overhead))
+
+    @property
+    def gpu_needed_bytes(self) -> int:
+        """Device memory the candidate needs: reserved peak + device reserve."""
+        return self.predicted_reserved_bytes + self.device_reserve_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Host RAM one node needs for the offloaded state of all its ranks."""
+        return self.ranks_per_node * self.per_rank_at(Location.HOST)
+
+    @property
+    def nvme_bytes(self) -> int:
+        """NVMe one node needs for the swapped state of all its ranks."""
+        return self.ranks_per_node * self.per_rank_at(Location.NVME)
+
+    @property
+    def fits_gpu(self) -> bool:
+        return self.gpu_needed_bytes <= self.gpu_capacity_bytes
+
+    @property
+    def fits_host(self) -> bool | None:
+        """None when the study gives no host capacity."""
+        return None if self.host_capacity_bytes is None else self.host_bytes <= self.host_capacity_bytes
+
+    @property
+    def fits_nvme(self) -> bool | None:
+        """None when the study gives no NVMe capacity (and nothing goes there: True)."""
+        if self.nvme_bytes == 0:
+            return True
+        return None if self.nvme_capacity_bytes is None else self.nvme_bytes <= self.nvme_capacity_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Fits when the GPU peak fits and host and NVMe are not known to overflow."""
+        return self.fits_gpu and self.fits_host is not False and self.fits_nvme is not False
+
+    def verdict_reasons(self) -> tuple[str, ...]:
+        """Why it does not fit (empty when it fits)."""
+        reasons = []
+        if not self.fits_gpu:
+            reasons.append(f"GPU needs {self.gpu_needed_bytes} B > {self.gpu_capacity_bytes} B")
+        if self.fits_host is False:
+            reasons.append(f"host needs {self.host_bytes} B > {self.host_capacity_bytes} B")
+        if self.fits_nvme is False:
+            reasons.append(f"NVMe needs {self.nvme_bytes} B > {self.nvme_capacity_bytes} B")
+        return tuple(reasons)
+
+
+class InvalidCandidate(ValueError):
+    """The candidate is not a combination DeepSpeed (or the study) can run; ``reasons`` says why."""
+
+    def __init__(self, reasons: tuple[str, ...]) -> None:
+        self.reasons = reasons
+        super().__init__("; ".join(reasons))
+
+
+def compute_ledger(
+    *, candidate: Candidate, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec
+) -> Ledger:
+    """The ledger of ``candidate``; raises :class:`InvalidCandidate` for an impossible combination."""
+    reasons = invalid_reasons(candidate=candidate, model=model, hardware=hardware, training=training)
+    if reasons:
+        raise InvalidCandidate(reasons)
+    if isinstance(model, SeedModel):
+        items = seed_items(candidate=candidate, model=model, hardware=hardware, training=training)
+    else:
+        items = transformer_items(candidate=candidate, model=model, hardware=hardware, training=training)
+    return Ledger(
+        candidate=candidate,
+        items=tuple(items),
+        ranks_per_node=hardware.gpus_per_node,
+        gpu_capacity_bytes=hardware.gpu_memory_bytes,
+        device_reserve_bytes=hardware.device_reserve_bytes,
+        allocator_overhead=hardware.allocator_overhead,
+        host_capacity_bytes=hardware.host_memory_bytes,
+        nvme_capacity_bytes=hardware.nvme_bytes,
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Verdict:
+    """A candidate and its ledger, or the reasons it is invalid (then ``ledger`` is None)."""
+
+    candidate: Candidate
+    """The candidate."""
+    ledger: Ledger | None
+    """Its ledger when valid."""
+    invalid_reasons: tuple[str, ...] = ()
+    """Why DeepSpeed (or the study) cannot run it."""
+
+    @property
+    def fits(self) -> bool:
+        """Valid and predicted to fit: the pruning rule's "launch" answer."""
+        return self.ledger is not None and self.ledger.fits
+
+
+def evaluate(
+    *, candidate: Candidate, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec
+) -> Verdict:
+    """The ledger of ``candidate`` or, for an impossible combination, the reasons — never an exception."""
+    try:
+        ledger = compute_ledger(candidate=candidate, model=model, hardware=hardware, training=training)
+    except InvalidCandidate as invalid:
+        return Verdict(candidate=candidate, ledger=None, invalid_reasons=invalid.reasons)
+    return Verdict(candidate=candidate, ledger=ledger)

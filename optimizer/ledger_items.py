@@ -1,0 +1,53 @@
+"""One line of the memory ledger: what is held, where, when, and the formula behind it (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Location(str, Enum):
+    """Where bytes live."""
+
+    GPU = "gpu"
+    HOST = "host"
+    NVME = "nvme"
+
+
+class Category(str, Enum):
+    """What the bytes are, as the seed's tables group them."""
+
+    PARAMS = "params"
+    GRADS = "grads"
+    OPTIMIZER = "optimizer"
+    MASTER_WEIGHTS = "master_weights"
+    ACTIVATIONS = "activations"
+    BUFFERS = "buffers"
+
+
+class Phase(str, Enum):
+    """When an item is live: for the whole step, only around backward, or only in the optimizer step."""
+
+    ALWAYS = "always"
+    BACKWARD = "backward"
+    STEP = "step"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LedgerItem:
+    """One line of the ledger: a tensor class, its bytes per rank and where they come from."""
+
+    name: str
+    """What is held, e.g. ``"Adam exp_avg + exp_avg_sq"``."""
+    category: Category
+    """Which column of the seed's tables it belongs to."""
+    location: Location
+    """GPU, host RAM or NVMe."""
+    bytes: int
+    """Bytes held by one rank."""
+    formula: str
+    """The arithmetic, e.g. ``8·Ψ/N``."""
+    source: str
+    """Where the formula comes from (paper, DeepSpeed file, the seed)."""
+    phase: Phase = Phase.ALWAYS
+    """When it is live."""

@@ -1,0 +1,174 @@
+"""Render ledgers for people (tables like the seed's) and for programs (JSON). Pure formatting."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from optimizer.ledger import Ledger, Verdict
+from optimizer.ledger_items import Category, LedgerItem, Location, Phase
+from optimizer.units import GB, format_gb
+
+
+def _category_bytes(items: Sequence[LedgerItem], *, scale: int = 1) -> dict[str, int]:
+    out = {category.value: 0 for category in Category}
+    for item in items:
+        out[item.category.value] += item.bytes * scale
+    out["total"] = sum(out.values())
+    return out
+
+
+def ledger_json(ledger: Ledger) -> dict[str, object]:
+    """The ledger as one JSON-ready object; every byte figure is an integer."""
+    per_gpu = ledger.per_gpu()
+    per_gpu.update(
+        reserved=ledger.predicted_reserved_bytes,
+        device_reserve=ledger.device_reserve_bytes,
+        needed=ledger.gpu_needed_bytes,
+        capacity=ledger.gpu_capacity_bytes,
+    )
+    host_items = [i for i in ledger.items if i.location is Location.HOST]
+    nvme_items = [i for i in ledger.items if i.location is Location.NVME]
+    per_host = _category_bytes(host_items, scale=ledger.ranks_per_node)
+    per_host.update(per_rank=ledger.per_rank_at(Location.HOST), ranks=ledger.ranks_per_node,
+                    capacity=ledger.host_capacity_bytes)
+    nvme = _category_bytes(nvme_items, scale=ledger.ranks_per_node)
+    nvme.update(per_rank=ledger.per_rank_at(Location.NVME), ranks=ledger.ranks_per_node,
+                capacity=ledger.nvme_capacity_bytes)
+    return {
+        "candidate": ledger.candidate.knobs(),
+        "label": ledger.candidate.label(),
+        "valid": True,
+        "per_gpu": per_gpu,
+        "per_host": per_host,
+        "nvme": nvme,
+        "peak_phase": ledger.peak_phase.value,
+        "phase_totals": ledger.phase_totals(),
+        "fits": ledger.fits,
+        "fits_gpu": ledger.fits_gpu,
+        "fits_host": ledger.fits_host,
+        "fits_nvme": ledger.fits_nvme,
+        "reasons": list(ledger.verdict_reasons()),
+        "items": [
+            {
+                "name": i.name,
+                "category": i.category.value,
+                "location": i.location.value,
+                "phase": i.phase.value,
+                "bytes": i.bytes,
+                "formula": i.formula,
+                "source": i.source,
+            }
+            for i in ledger.items
+        ],
+    }
+
+
+def _gb(num_bytes: int) -> str:
+    return f"{num_bytes / GB:10.2f}"
+
+
+def _fit_word(value: bool | None) -> str:
+    return {True: "fits", False: "DOES NOT FIT", None: "unchecked (no capacity given)"}[value]
+
+
+def ledger_table(ledger: Ledger, *, study: str, psi: int) -> str:
+    """A readable ledger like the seed's: item, formula, GB (10^9 bytes), then the verdict."""
+    lines = [
+        f"study {study} · candidate {ledger.candidate.label()}",
+        f"Ψ = {psi:,} parameters · {ledger.ranks_per_node} rank(s) per node · GB = 10^9 bytes",
+        "",
+        f"Per GPU, at the peak ({ledger.peak_phase.value} phase)",
+        f"  {'item':<44} {'formula':<46} {'GB':>10}",
+    ]
+    for item in ledger.peak_items():
+        lines.append(f"  {item.name:<44} {item.formula:<46} {_gb(item.bytes)}")
+    per_gpu = ledger.per_gpu()
+    lines.append(f"  {'total (allocated peak)':<91} {_gb(per_gpu['total'])}")
+    if ledger.allocator_overhead:
+        lines.append(f"  {f'reserved peak (allocator +{ledger.allocator_overhead:.0%})':<91} "
+                     f"{_gb(ledger.predicted_reserved_bytes)}")
+    if ledger.device_reserve_bytes:
+        lines.append(f"  {'+ device reserve (CUDA context, NCCL)':<91} {_gb(ledger.device_reserve_bytes)}")
+    lines.append(f"  {'needed / capacity':<80} {_gb(ledger.gpu_needed_bytes)} / {ledger.gpu_capacity_bytes / GB:.2f}"
+                 f"  {_fit_word(ledger.fits_gpu)}")
+    off_peak = [i for i in ledger.items if i.location is Location.GPU and i.phase not in (Phase.ALWAYS,
+                                                                                         ledger.peak_phase)]
+    if off_peak:
+        lines.append("  not live at the peak:")
+        for item in off_peak:
+            lines.append(f"    {item.name + f' ({item.phase.value})':<42} {item.formula:<46} {_gb(item.bytes)}")
+    for location, title, capacity, total, fits in (
+        (Location.HOST, "Per host", ledger.host_capacity_bytes, ledger.host_bytes, ledger.fits_host),
+        (Location.NVME, "NVMe per node", ledger.nvme_capacity_bytes, ledger.nvme_bytes, ledger.fits_nvme),
+    ):
+        items = [i for i in ledger.items if i.location is location]
+        if not items:
+            continue
+        lines += ["", f"{title} ({ledger.ranks_per_node} rank(s) × per-rank bytes)"]
+        for item in items:
+            lines.append(f"  {item.name:<44} {item.formula:<46} {_gb(item.bytes)}  per rank")
+        cap = "?" if capacity is None else f"{capacity / GB:.2f}"
+        lines.append(f"  {'total / capacity':<80} {_gb(total)} / {cap}  {_fit_word(fits)}")
+    lines += ["", f"Verdict: {'FITS' if ledger.fits else 'DOES NOT FIT'}"
+              + ("" if ledger.fits else f" — {'; '.join(_human_reasons(ledger))}")]
+    sources = sorted({i.source for i in ledger.items})
+    lines += ["", "Sources:"] + [f"  - {s}" for s in sources]
+    return "\n".join(lines)
+
+
+def _human_reasons(ledger: Ledger) -> list[str]:
+    out = []
+    if not ledger.fits_gpu:
+        out.append(f"GPU needs {format_gb(ledger.gpu_needed_bytes)} of {format_gb(ledger.gpu_capacity_bytes)}")
+    if ledger.fits_host is False:
+        out.append(f"host needs {format_gb(ledger.host_bytes)} of {format_gb(ledger.host_capacity_bytes or 0)}")
+    if ledger.fits_nvme is False:
+        out.append(f"NVMe needs {format_gb(ledger.nvme_bytes)} of {format_gb(ledger.nvme_capacity_bytes or 0)}")
+    return out
+
+
+def _sort_key(verdict: Verdict) -> tuple[int, int, str]:
+    if verdict.ledger is None:
+        return (2, 0, verdict.candidate.label())
+    return (0 if verdict.ledger.fits else 1, verdict.ledger.gpu_needed_bytes, verdict.candidate.label())
+
+
+def counts(verdicts: Sequence[Verdict]) -> dict[str, int]:
+    """How many candidates are valid, invalid, fit and do not fit."""
+    valid = [v for v in verdicts if v.ledger is not None]
+    fit = sum(1 for v in valid if v.ledger is not None and v.ledger.fits)
+    return {"total": len(verdicts), "valid": len(valid), "invalid": len(verdicts) - len(valid),
+            "fits": fit, "does_not_fit": len(valid) - fit}
+
+
+def all_table(verdicts: Sequence[Verdict], *, study: str) -> str:
+    """``--all``: every candidate, sorted (fitting by needed memory, then the rest, then invalid)."""
+    ordered = sorted(verdicts, key=_sort_key)
+    lines = [f"study {study} · {len(verdicts)} candidates · GB = 10^9 bytes (per GPU: needed = reserved peak "
+             "+ device reserve)", "",
+             f"  {'verdict':<13} {'GPU needed GB':>13} {'host GB':>9} {'nvme GB':>9}  candidate"]
+    for v in ordered:
+        if v.ledger is None:
+            lines.append(f"  {'invalid':<13} {'-':>13} {'-':>9} {'-':>9}  {v.candidate.label()}: "
+                         + "; ".join(v.invalid_reasons))
+            continue
+        led = v.ledger
+        word = "fits" if led.fits else "does not fit"
+        lines.append(f"  {word:<13} {led.gpu_needed_bytes / GB:>13.2f} {led.host_bytes / GB:>9.2f} "
+                     f"{led.nvme_bytes / GB:>9.2f}  {v.candidate.label()}")
+    c = counts(verdicts)
+    lines += ["", f"{c['valid']} valid ({c['fits']} fit, {c['does_not_fit']} do not fit), {c['invalid']} invalid, "
+              f"{c['total']} in all"]
+    return "\n".join(lines)
+
+
+def all_json(verdicts: Sequence[Verdict], *, study: str) -> dict[str, object]:
+    """``--all --json``: the counts and one entry per candidate, sorted as the table is."""
+    entries: list[dict[str, object]] = []
+    for v in sorted(verdicts, key=_sort_key):
+        if v.ledger is None:
+            entries.append({"candidate": v.candidate.knobs(), "label": v.candidate.label(), "valid": False,
+                            "fits": False, "reasons": list(v.invalid_reasons)})
+        else:
+            entries.append(ledger_json(v.ledger))
+    return {"study": study, "counts": counts(verdicts), "candidates": entries}

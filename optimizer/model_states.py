@@ -1,0 +1,3 @@
+"""placeholder"""
+def transformer_items(**kw):
+    raise NotImplementedError

@@ -1,0 +1,240 @@
+"""Typed, frozen specifications: the model, the hardware and the training setup.
+
+These are parsed once from the study file (:mod:`optimizer.study_file`) and passed, narrowly,
+to the pure functions that need them. Bytes are integers; GB means 10^9 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from optimizer.knobs import (
+    Candidate,
+    Checkpointing,
+    NoCheckpointing,
+    OffloadDevice,
+    Precision,
+    ZeroStage,
+)
+
+
+class Accelerator(str, Enum):
+    """The device the ranks train on: CUDA GPUs, or CPU ranks (``DS_ACCELERATOR=cpu``)."""
+
+    CUDA = "cuda"
+    CPU = "cpu"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Optimizer(str, Enum):
+    """The training optimizer; both keep two FP32 states per parameter (Kingma & Ba 2015)."""
+
+    ADAM = "adam"
+    ADAMW = "adamw"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def states_per_param(self) -> int:
+        """Optimizer state tensors per parameter: Adam's exp_avg and exp_avg_sq."""
+        return 2
+
+
+class AttentionKind(str, Enum):
+    """Eager attention materialises the s×s scores; fused/flash attention does not."""
+
+    EAGER = "eager"
+    FUSED = "fused"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class MlpKind(str, Enum):
+    """GPT-2's GELU MLP (two matrices) or Llama's SwiGLU MLP (three matrices)."""
+
+    GELU = "gelu"
+    SWIGLU = "swiglu"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class NormKind(str, Enum):
+    """LayerNorm (weight and bias) or RMSNorm (weight only)."""
+
+    LAYERNORM = "layernorm"
+    RMSNORM = "rmsnorm"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class PositionKind(str, Enum):
+    """Learned absolute position embeddings (GPT-2) or rotary embeddings (no parameters)."""
+
+    LEARNED = "learned"
+    ROPE = "rope"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SeedModel:
+    """A model given by explicit numbers, as in the seed document (``../shared/seeds/``).
+
+    Parameters, activation bytes per checkpointing option and buffer bytes are stated, not
+    derived. Activation figures are per GPU at the study's baseline micro-batch and in
+    ``activation_precision``; the ledger scales them linearly in the micro-batch
+    (Korthikanti et al. 2022: every activation term is linear in b) and by element size.
+    """
+
+    parameters: int
+    """Trainable parameters (count)."""
+    activation_bytes: dict[str, int]
+    """Checkpointing option (``none``, ``full``, ``every_K``, ``selective``) → activation bytes per GPU."""
+    activation_precision: Precision = Precision.FP32
+    """Precision the activation figures were stated in."""
+    buffer_bytes: int = 0
+    """Working buffers per GPU (communication, framework, workspace), stated, constant."""
+
+    def __post_init__(self) -> None:
+        if self.parameters < 1:
+            raise ValueError(f"parameters must be >= 1, got {self.parameters}")
+        if "none" not in self.activation_bytes:
+            raise ValueError("activation_bytes must give the 'none' (no checkpointing) figure")
+
+    def activation_bytes_for(self, checkpointing: Checkpointing) -> int | None:
+        """Stated activation bytes for ``checkpointing``, or None when the study gives none."""
+        return self.activation_bytes.get(str(checkpointing))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransformerModel:
+    """A decoder-only transformer given by its shape; parameters and activations are derived."""
+
+    layers: int
+    """Transformer blocks (L)."""
+    hidden_size: int
+    """Model width (h)."""
+    heads: int
+    """Attention heads (a)."""
+    kv_heads: int
+    """Key/value heads (grouped-query attention when < heads)."""
+    ffn_size: int
+    """MLP inner width (f); 4h for GPT-2."""
+    vocab_size: int
+    """Vocabulary size (V)."""
+    tied_embeddings: bool = True
+    """Output projection shares the token-embedding matrix."""
+    attention: AttentionKind = AttentionKind.EAGER
+    """Eager (stores the s×s scores) or fused/flash attention."""
+    mlp: MlpKind = MlpKind.GELU
+    """MLP kind."""
+    norm: NormKind = NormKind.LAYERNORM
+    """Normalisation kind."""
+    bias: bool = True
+    """Linear layers carry biases (GPT-2: yes; Llama: no)."""
+    position_embedding: PositionKind = PositionKind.LEARNED
+    """Learned absolute positions (parameters) or rotary (none)."""
+    dropout: bool = True
+    """Dropout layers are present, so 1-byte masks are kept for backward."""
+    max_positions: int = 1024
+    """Rows of the learned position table (the study's sequence length unless given)."""
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden_size", "heads", "kv_heads", "ffn_size", "vocab_size", "max_positions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by heads ({self.heads})")
+        if self.kv_heads > self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head, h / a."""
+        return self.hidden_size // self.heads
+
+
+ModelSpec = SeedModel | TransformerModel
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareSpec:
+    """The machines: nodes × GPUs per node, each GPU's memory, each node's host RAM and NVMe."""
+
+    accelerator: Accelerator = Accelerator.CUDA
+    """CUDA GPUs or CPU ranks."""
+    nodes: int = 1
+    """Nodes in the job."""
+    gpus_per_node: int
+    """Devices (GPUs, or CPU ranks) per node."""
+    gpu_memory_bytes: int
+    """Memory of one device, nominal (bytes)."""
+    device_reserve_bytes: int = 0
+    """Per-device memory outside PyTorch's allocator: CUDA context, NCCL buffers (bytes)."""
+    allocator_overhead: float = 0.0
+    """Reserved/allocated − 1 of the caching allocator (fragmentation); Mist's L4 runs: 0.058–0.225."""
+    host_memory_bytes: int | None = None
+    """Host RAM of one node (bytes); None = not checked."""
+    nvme_path: str | None = None
+    """Mount point DeepSpeed swaps to for NVMe offload."""
+    nvme_bytes: int | None = None
+    """Free NVMe capacity of one node (bytes); None = not checked."""
+    supported_precisions: tuple[Precision, ...] = (Precision.FP32, Precision.BF16, Precision.FP16)
+    """Precisions the device can train in (CPU ranks refuse fp16 in DeepSpeed)."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError("nodes and gpus_per_node must be >= 1")
+        if not 0.0 <= self.allocator_overhead < 1.0:
+            raise ValueError(f"allocator_overhead must be in [0, 1), got {self.allocator_overhead}")
+        if self.device_reserve_bytes >= self.gpu_memory_bytes:
+            raise ValueError("device_reserve must be smaller than gpu_memory")
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks: nodes × GPUs per node (no tensor or pipeline parallelism)."""
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainingSpec:
+    """What is trained: the batch, the sequence length and the optimizer."""
+
+    global_batch_size: int
+    """Samples per optimizer step over all ranks: micro-batch × accumulation × ranks."""
+    micro_batch_size: int
+    """The baseline micro-batch per GPU (knob default)."""
+    sequence_length: int
+    """Tokens per sample (s)."""
+    optimizer: Optimizer = Optimizer.ADAM
+    """The optimizer."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "micro_batch_size", "sequence_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def baseline_candidate(training: TrainingSpec) -> Candidate:
+    """The study's baseline: stage 0, no offload, fp32, no checkpointing, the study's micro-batch.
+
+    Knobs a user does not set take these values; it is also the FP32 reference for loss.
+    """
+    return Candidate(
+        zero_stage=ZeroStage.DISABLED,
+        offload_optimizer=OffloadDevice.NONE,
+        offload_param=OffloadDevice.NONE,
+        precision=Precision.FP32,
+        checkpointing=NoCheckpointing(),
+        micro_batch_size=training.micro_batch_size,
+    )

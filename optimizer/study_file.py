@@ -1,0 +1,304 @@
+"""Load a study file (``studies/NAME.yaml``) into typed specs, or fail with one clear error.
+
+A study file holds four sections::
+
+    name: seed-1b-2x24gb          # optional; defaults to the file name
+    model: {kind: seed | transformer, ...}
+    hardware: {gpus_per_node: 2, gpu_memory: 24 GB, ...}
+    training: {global_batch_size: 16, micro_batch_size: 4, sequence_length: 1024}
+    search_space: ../search_spaces/default.yaml   # or an inline {knobs: {...}}
+
+Every key is checked: an unknown key, a wrong type or an impossible value raises
+:class:`~optimizer.errors.UserError` naming the file, the dotted key and why. Files are read
+with ``yaml.safe_load``. This module is the only place the study's YAML is touched.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from optimizer.errors import UserError
+from optimizer.knobs import Precision, parse_checkpointing
+from optimizer.search_space import SearchSpace, parse_search_space
+from optimizer.specs import (
+    Accelerator,
+    AttentionKind,
+    HardwareSpec,
+    MlpKind,
+    ModelSpec,
+    NormKind,
+    Optimizer,
+    PositionKind,
+    SeedModel,
+    TrainingSpec,
+    TransformerModel,
+)
+from optimizer.units import parse_bytes, parse_count
+
+T = TypeVar("T")
+_MISSING = object()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StudySpec:
+    """A parsed study: what to train, on what, and which knobs to search."""
+
+    name: str
+    """Study name; outputs go under ``studies/<name>/``."""
+    path: Path
+    """The study file."""
+    model: ModelSpec
+    """The model (seed mode or transformer mode)."""
+    hardware: HardwareSpec
+    """The machines."""
+    training: TrainingSpec
+    """Batch, sequence length, optimizer."""
+    search_space: SearchSpace
+    """The knobs' allowed values."""
+
+
+class _Section:
+    """One mapping of the study file: typed reads that name the key on error, and no unknown keys."""
+
+    def __init__(self, raw: object, *, source: str, key: str) -> None:
+        if not isinstance(raw, Mapping):
+            raise UserError(source=source, key=key, why=f"expected a mapping, got {type(raw).__name__}")
+        self.raw: Mapping[str, Any] = raw
+        self.source = source
+        self.key = key
+        self.seen: set[str] = set()
+
+    def _full(self, name: str) -> str:
+        return f"{self.key}.{name}" if self.key else name
+
+    def error(self, name: str, why: str) -> UserError:
+        return UserError(source=self.source, key=self._full(name), why=why)
+
+    def get(self, name: str, parse: Callable[[Any], T], default: Any = _MISSING) -> T:
+        self.seen.add(name)
+        if name not in self.raw or self.raw[name] is None:
+            if default is _MISSING:
+                raise self.error(name, "required key is missing")
+            return default
+        try:
+            return parse(self.raw[name])
+        except (ValueError, TypeError) as err:
+            raise self.error(name, str(err)) from None
+
+    def finish(self) -> None:
+        unknown = sorted(set(self.raw) - self.seen, key=str)
+        if unknown:
+            allowed = ", ".join(sorted(self.seen))
+            raise self.error(str(unknown[0]), f"unknown key; allowed here: {allowed}")
+
+
+def _positive_int(value: Any) -> int:
+    count = parse_count(value)
+    if count < 1:
+        raise ValueError(f"expected a positive whole number, got {value!r}")
+    return count
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected text, got {type(value).__name__}")
+    return value
+
+
+def _name(value: Any) -> str:
+    text = _text(value)
+    if not text or not all(ch.isalnum() or ch in "-_." for ch in text) or text.startswith("."):
+        raise ValueError(f"a study name may hold letters, digits, '-', '_' and '.', got {value!r}")
+    return text
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number, got {value!r}")
+    return float(value)
+
+
+def _enum(kind: type[T]) -> Callable[[Any], T]:
+    def parse(value: Any) -> T:
+        try:
+            return kind(str(value).lower())  # type: ignore[call-arg]
+        except ValueError:
+            allowed = ", ".join(member.value for member in kind)  # type: ignore[attr-defined]
+            raise ValueError(f"expected one of {allowed}, got {value!r}") from None
+
+    return parse
+
+
+def _activation_table(value: Any) -> dict[str, int]:
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError("expected a mapping of checkpointing option -> bytes, e.g. {none: 8 GB, full: 3 GB}")
+    table: dict[str, int] = {}
+    for option, amount in value.items():
+        try:
+            canonical = str(parse_checkpointing(str(option)))
+        except ValueError as err:
+            raise ValueError(f"key {option!r}: {err}") from None
+        try:
+            table[canonical] = parse_bytes(amount)
+        except ValueError as err:
+            raise ValueError(f"{option}: {err}") from None
+    return table
+
+
+def _parse_model(section: _Section, *, sequence_length: int) -> ModelSpec:
+    kind = section.get("kind", _enum_str(("seed", "transformer")))
+    try:
+        if kind == "seed":
+            model: ModelSpec = SeedModel(
+                parameters=section.get("parameters", _positive_int),
+                activation_bytes=section.get("activation_bytes", _activation_table),
+                activation_precision=section.get("activation_precision", _enum(Precision), Precision.FP32),
+                buffer_bytes=section.get("buffer_bytes", parse_bytes, 0),
+            )
+        else:
+            heads = section.get("heads", _positive_int)
+            hidden = section.get("hidden_size", _positive_int)
+            model = TransformerModel(
+                layers=section.get("layers", _positive_int),
+                hidden_size=hidden,
+                heads=heads,
+                kv_heads=section.get("kv_heads", _positive_int, heads),
+                ffn_size=section.get("ffn_size", _positive_int, 4 * hidden),
+                vocab_size=section.get("vocab_size", _positive_int),
+                tied_embeddings=section.get("tied_embeddings", _bool, True),
+                attention=section.get("attention", _enum(AttentionKind), AttentionKind.EAGER),
+                mlp=section.get("mlp", _enum(MlpKind), MlpKind.GELU),
+                norm=section.get("norm", _enum(NormKind), NormKind.LAYERNORM),
+                bias=section.get("bias", _bool, True),
+                position_embedding=section.get("position_embedding", _enum(PositionKind), PositionKind.LEARNED),
+                dropout=section.get("dropout", _bool, True),
+                max_positions=section.get("max_positions", _positive_int, sequence_length),
+            )
+    except ValueError as err:
+        raise UserError(source=section.source, key=section.key, why=str(err)) from None
+    section.finish()
+    return model
+
+
+def _enum_str(allowed: tuple[str, ...]) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if value not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}, got {value!r}")
+        return str(value)
+
+    return parse
+
+
+def _parse_hardware(section: _Section) -> HardwareSpec:
+    accelerator = section.get("accelerator", _enum(Accelerator), Accelerator.CUDA)
+    default_precisions = (
+        (Precision.FP32, Precision.BF16) if accelerator is Accelerator.CPU else tuple(Precision)
+    )
+    nvme_path = section.get("nvme_path", str, None)
+    nvme_bytes = section.get("nvme_capacity", parse_bytes, None)
+    if nvme_path is not None and nvme_bytes is None:
+        # The capacity is read from the path itself: the path must then exist here.
+        if not Path(nvme_path).is_dir():
+            raise section.error("nvme_path", f"{nvme_path!r} is not an existing directory "
+                                "(give hardware.nvme_capacity to plan for another machine)")
+        nvme_bytes = shutil.disk_usage(nvme_path).free
+    try:
+        hardware = HardwareSpec(
+            accelerator=accelerator,
+            nodes=section.get("nodes", _positive_int, 1),
+            gpus_per_node=section.get("gpus_per_node", _positive_int),
+            gpu_memory_bytes=section.get("gpu_memory", parse_bytes),
+            device_reserve_bytes=section.get("device_reserve", parse_bytes, 0),
+            allocator_overhead=section.get("allocator_overhead", _fraction, 0.0),
+            host_memory_bytes=section.get("host_memory", parse_bytes, None),
+            nvme_path=nvme_path,
+            nvme_bytes=nvme_bytes,
+            supported_precisions=section.get("supported_precisions", _precision_list, default_precisions),
+        )
+    except ValueError as err:
+        raise UserError(source=section.source, key=section.key, why=str(err)) from None
+    section.finish()
+    return hardware
+
+
+def _precision_list(value: Any) -> tuple[Precision, ...]:
+    if not isinstance(value, list) or not value:
+        raise ValueError("expected a non-empty list such as [fp32, bf16]")
+    return tuple(_enum(Precision)(item) for item in value)
+
+
+def _parse_training(section: _Section) -> TrainingSpec:
+    try:
+        training = TrainingSpec(
+            global_batch_size=section.get("global_batch_size", _positive_int),
+            micro_batch_size=section.get("micro_batch_size", _positive_int),
+            sequence_length=section.get("sequence_length", _positive_int),
+            optimizer=section.get("optimizer", _enum(Optimizer), Optimizer.ADAM),
+        )
+    except ValueError as err:
+        raise UserError(source=section.source, key=section.key, why=str(err)) from None
+    section.finish()
+    return training
+
+
+def _read_yaml(path: Path, *, what: str) -> object:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(source=str(path), key="", why=f"{what} not found") from None
+    except OSError as err:
+        raise UserError(source=str(path), key="", why=f"cannot read {what}: {err.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise UserError(source=str(path), key="", why=f"malformed YAML{where}: {problem}") from None
+
+
+def _parse_space_ref(value: object, *, study_path: Path) -> SearchSpace:
+    source = str(study_path)
+    if isinstance(value, str):
+        space_path = (study_path.parent / value).resolve() if not Path(value).is_absolute() else Path(value)
+        if not space_path.is_file():
+            raise UserError(source=source, key="search_space", why=f"search-space file {value!r} not found "
+                            f"(looked at {space_path})")
+        raw = _read_yaml(space_path, what="search-space file")
+        return parse_search_space(raw, source=str(space_path))
+    if isinstance(value, Mapping):
+        return parse_search_space(value, source=source, key_prefix="search_space")
+    raise UserError(source=source, key="search_space", why="expected a path to a search_spaces/*.yaml file or an "
+                    "inline mapping with 'knobs'")
+
+
+def load_study(path: str | Path) -> StudySpec:
+    """Read and validate the study file at ``path``; raise :class:`UserError` on any mistake."""
+    study_path = Path(path)
+    raw = _read_yaml(study_path, what="study file")
+    source = str(study_path)
+    top = _Section(raw if raw is not None else {}, source=source, key="")
+    name = top.get("name", _name, study_path.stem)
+    top.get("description", _text, "")
+    training = _parse_training(_Section(top.get("training", lambda v: v), source=source, key="training"))
+    model = _parse_model(
+        _Section(top.get("model", lambda v: v), source=source, key="model"),
+        sequence_length=training.sequence_length,
+    )
+    hardware = _parse_hardware(_Section(top.get("hardware", lambda v: v), source=source, key="hardware"))
+    space = _parse_space_ref(top.get("search_space", lambda v: v), study_path=study_path)
+    top.finish()
+    return StudySpec(name=name, path=study_path, model=model, hardware=hardware, training=training,
+                     search_space=space)

@@ -1,0 +1,202 @@
+"""Parameter count and per-layer activation bytes of a decoder-only transformer (pure).
+
+The activation terms are Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models" (arXiv 2205.05198), §4.1, written out tensor by tensor so that each term can
+be generalised and checked. For a GPT-2 block (4h GELU MLP, LayerNorm, dropout, a KV head per
+query head) with 16-bit activations and 1-byte dropout masks they sum to the paper's
+
+    per layer: s·b·h·(34 + 5·a·s/h) bytes
+      attention 11·sbh + 5·a·s²·b, MLP 19·sbh, two LayerNorms 4·sbh.
+
+Symbols: s sequence length, b micro-batch, h hidden size, a heads, f FFN size, V vocabulary,
+p bytes per activation element (2 for bf16/fp16, 4 for fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from optimizer.knobs import (
+    Checkpointing,
+    EveryKCheckpointing,
+    FullCheckpointing,
+    NoCheckpointing,
+    SelectiveCheckpointing,
+)
+from optimizer.specs import AttentionKind, MlpKind, NormKind, PositionKind, TransformerModel
+
+MASK_BYTES = 1
+"""A dropout mask element (``torch.bool``), Korthikanti §4.1."""
+
+LOGIT_BYTES = 4
+"""Cross-entropy runs on FP32 logits: Korthikanti §4.1 counts 4·s·b·V for them."""
+
+
+def parameter_count(model: TransformerModel) -> int:
+    """Trainable parameters: embeddings, L blocks, the final norm and (if untied) the LM head.
+
+    Per block: attention Q,O (h·h each) and K,V (h·kv·d each, d = h/a) plus biases; MLP 2·h·f
+    (GELU) or 3·h·f (SwiGLU) plus biases; two norms (LayerNorm 2h, RMSNorm h). Learned positions
+    add ``max_positions``·h. This is the count of GPT-2 (Radford et al. 2019) and Llama
+    (Touvron et al. 2023) blocks in Hugging Face ``transformers``.
+    """
+    h, f, V = model.hidden_size, model.ffn_size, model.vocab_size
+    kv = model.kv_heads * model.head_dim
+    attention = 2 * h * h + 2 * h * kv + ((2 * h + 2 * kv) if model.bias else 0)
+    if model.mlp is MlpKind.GELU:
+        mlp = 2 * h * f + ((f + h) if model.bias else 0)
+    else:
+        mlp = 3 * h * f + ((2 * f + h) if model.bias else 0)
+    norm = 2 * h if model.norm is NormKind.LAYERNORM else h
+    block = attention + mlp + 2 * norm
+    embeddings = V * h + (model.max_positions * h if model.position_embedding is PositionKind.LEARNED else 0)
+    head = 0 if model.tied_embeddings else V * h
+    return embeddings + model.layers * block + norm + head
+
+
+def largest_layer_parameters(model: TransformerModel) -> int:
+    """Parameters of the largest single module — what ZeRO-3 gathers at once.
+
+    DeepSpeed's estimator takes the max over modules of their own (non-recursive) parameters
+    (``stage3.py: estimate_zero3_model_states_mem_needs_all_live``). Here: the token embedding
+    (or untied LM head) V·h, or the largest MLP matrix h·f (+ bias).
+    """
+    h, f = model.hidden_size, model.ffn_size
+    mlp_matrix = h * f + (f if model.bias else 0)
+    qkv_matrix = h * h + (h if model.bias else 0)
+    return max(model.vocab_size * h, mlp_matrix, qkv_matrix)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActivationTerm:
+    """One stored tensor class of the activation ledger."""
+
+    name: str
+    """What is stored."""
+    formula: str
+    """The term in Korthikanti's notation, e.g. ``2sbh``."""
+    bytes: int
+    """Bytes for the given shape."""
+
+
+def layer_terms(
+    model: TransformerModel, *, seq: int, micro_batch: int, element_bytes: int
+) -> tuple[ActivationTerm, ...]:
+    """Activations one block keeps for backward, itemised (Korthikanti §4.1).
+
+    ``element_bytes`` is p (2 for 16-bit, 4 for fp32 training); masks are 1 byte. GQA shrinks
+    the stored K and V to kv·d columns; fused/flash attention stores no s×s tensor but its
+    per-row log-sum-exp (FP32, a·s·b; Dao 2023, FlashAttention-2 §3.1); SwiGLU stores the gate and
+    up projections, their SiLU and their product (4·sbf) where GELU stores 2·sbf.
+    """
+    s, b, h, a, f = seq, micro_batch, model.hidden_size, model.heads, model.ffn_size
+    p = element_bytes
+    sbh = s * b * h
+    kv_cols = model.kv_heads * model.head_dim
+    terms = [
+        ActivationTerm(name="norm inputs (2 per block)", formula="2·p·sbh", bytes=2 * p * sbh),
+        ActivationTerm(name="QKV projection input", formula="p·sbh", bytes=p * sbh),
+        ActivationTerm(name="Q and K for QK^T", formula="p·sbh + p·sb·kv·d", bytes=p * sbh + p * s * b * kv_cols),
+        ActivationTerm(name="V", formula="p·sb·kv·d", bytes=p * s * b * kv_cols),
+        ActivationTerm(name="attention output-projection input", formula="p·sbh", bytes=p * sbh),
+    ]
+    terms.extend(attention_core_terms(model, seq=seq, micro_batch=micro_batch, element_bytes=element_bytes))
+    if model.dropout:
+        terms.append(ActivationTerm(name="attention dropout mask", formula="sbh", bytes=MASK_BYTES * sbh))
+    terms.append(ActivationTerm(name="MLP input", formula="p·sbh", bytes=p * sbh))
+    if model.mlp is MlpKind.GELU:
+        terms.append(ActivationTerm(name="GELU input and output", formula="2·p·sbf", bytes=2 * p * s * b * f))
+    else:
+        terms.append(ActivationTerm(name="SwiGLU gate, up, SiLU, product", formula="4·p·sbf", bytes=4 * p * s * b * f))
+    if model.dropout:
+        terms.append(ActivationTerm(name="MLP dropout mask", formula="sbh", bytes=MASK_BYTES * sbh))
+    del a
+    return tuple(terms)
+
+
+def attention_core_terms(
+    model: TransformerModel, *, seq: int, micro_batch: int, element_bytes: int
+) -> tuple[ActivationTerm, ...]:
+    """What the attention core (QK^T, softmax, dropout) keeps: the part selective recompute drops.
+
+    Eager: softmax output p·as²b, its dropout mask as²b and the dropout output p·as²b — the
+    paper's 5·as²b at p = 2 (without dropout only the softmax output). Fused/flash: the FP32
+    log-sum-exp, 4·asb.
+    """
+    s, b, a, p = seq, micro_batch, model.heads, element_bytes
+    if model.attention is AttentionKind.FUSED:
+        return (ActivationTerm(name="flash-attention log-sum-exp (fp32)", formula="4·asb", bytes=4 * a * s * b),)
+    terms = [ActivationTerm(name="softmax output", formula="p·as²b", bytes=p * a * s * s * b)]
+    if model.dropout:
+        terms.append(ActivationTerm(name="softmax dropout mask", formula="as²b", bytes=MASK_BYTES * a * s * s * b))
+        terms.append(ActivationTerm(name="softmax dropout output", formula="p·as²b", bytes=p * a * s * s * b))
+    return tuple(terms)
+
+
+def head_terms(
+    model: TransformerModel, *, seq: int, micro_batch: int, element_bytes: int
+) -> tuple[ActivationTerm, ...]:
+    """Activations outside the blocks (Korthikanti §4.3): embedding dropout mask, final norm
+    input, LM-head input, and the FP32 logits cross-entropy keeps (4·sbV)."""
+    s, b, h, p = seq, micro_batch, model.hidden_size, element_bytes
+    terms = []
+    if model.dropout:
+        terms.append(ActivationTerm(name="embedding dropout mask", formula="sbh", bytes=MASK_BYTES * s * b * h))
+    terms.append(ActivationTerm(name="final norm input", formula="p·sbh", bytes=p * s * b * h))
+    terms.append(ActivationTerm(name="LM-head input", formula="p·sbh", bytes=p * s * b * h))
+    terms.append(ActivationTerm(name="logits for cross-entropy (fp32)", formula="4·sbV",
+                                bytes=LOGIT_BYTES * s * b * model.vocab_size))
+    return tuple(terms)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActivationEstimate:
+    """Activation bytes per GPU at the forward→backward peak, split as the ledger shows them."""
+
+    stored_bytes: int
+    """Kept across all blocks and the head until backward reaches them."""
+    recompute_bytes: int
+    """Working set of the one block being recomputed in backward (0 without recompute)."""
+    formula: str
+    """How the two figures were obtained, in the paper's notation."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.stored_bytes + self.recompute_bytes
+
+
+def activation_estimate(
+    model: TransformerModel, *, checkpointing: Checkpointing, seq: int, micro_batch: int, element_bytes: int
+) -> ActivationEstimate:
+    """Peak activation bytes for a checkpointing granularity (Korthikanti §4.2, §5).
+
+    * none: L · layer + head.
+    * full: each block keeps its input p·sbh (the paper's 2sbhL at p = 2); during backward one
+      block is recomputed, so its full activations are live once more: + layer.
+    * every_K: blocks K, 2K, … (⌊L/K⌋ of them) keep only their input; the others keep everything;
+      + one recomputed block.
+    * selective: every block drops its attention core (the as² terms); backward recomputes
+      one block's core.
+    """
+    layer = sum(t.bytes for t in layer_terms(model, seq=seq, micro_batch=micro_batch, element_bytes=element_bytes))
+    core = sum(t.bytes for t in attention_core_terms(model, seq=seq, micro_batch=micro_batch,
+                                                      element_bytes=element_bytes))
+    head = sum(t.bytes for t in head_terms(model, seq=seq, micro_batch=micro_batch, element_bytes=element_bytes))
+    boundary = element_bytes * seq * micro_batch * model.hidden_size
+    L = model.layers
+    if isinstance(checkpointing, NoCheckpointing):
+        return ActivationEstimate(stored_bytes=L * layer + head, recompute_bytes=0, formula="L·layer + head")
+    if isinstance(checkpointing, FullCheckpointing):
+        return ActivationEstimate(stored_bytes=L * boundary + head, recompute_bytes=layer,
+                                  formula="L·p·sbh + head, + 1 recomputed layer")
+    if isinstance(checkpointing, EveryKCheckpointing):
+        recomputed = L // checkpointing.k
+        return ActivationEstimate(
+            stored_bytes=recomputed * boundary + (L - recomputed) * layer + head,
+            recompute_bytes=layer if recomputed else 0,
+            formula=f"{recomputed}·p·sbh + {L - recomputed}·layer + head, + 1 recomputed layer",
+        )
+    if isinstance(checkpointing, SelectiveCheckpointing):
+        return ActivationEstimate(stored_bytes=L * (layer - core) + head, recompute_bytes=core,
+                                  formula="L·(layer − attention core) + head, + 1 recomputed core")
+    raise TypeError(f"unknown checkpointing {checkpointing!r}")

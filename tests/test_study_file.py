@@ -1,0 +1,131 @@
+"""Study files: the good ones load, every bad one fails with one error naming file, key and why."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from optimizer.cli import main
+from optimizer.errors import UserError
+from optimizer.knobs import Precision
+from optimizer.specs import SeedModel, TransformerModel
+from optimizer.study_file import load_study
+
+GOOD = """
+name: tiny
+model:
+  kind: transformer
+  layers: 2
+  hidden_size: 64
+  heads: 4
+  vocab_size: 128
+hardware:
+  accelerator: cpu
+  gpus_per_node: 2
+  gpu_memory: 8 GiB
+  host_memory: 24 GiB
+training:
+  global_batch_size: 8
+  micro_batch_size: 2
+  sequence_length: 32
+search_space:
+  knobs:
+    zero_stage: [0, 1, 2, 3]
+    precision: [fp32, bf16]
+"""
+
+
+def _write(tmp_path, text, name="study.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_good_study_loads_with_defaults(tmp_path):
+    study = load_study(_write(tmp_path, GOOD))
+    assert isinstance(study.model, TransformerModel)
+    assert study.model.ffn_size == 4 * 64 and study.model.kv_heads == 4
+    assert study.model.max_positions == 32
+    assert study.hardware.gpu_memory_bytes == 8 * 2**30
+    assert study.hardware.supported_precisions == (Precision.FP32, Precision.BF16)  # cpu: no fp16
+    assert study.search_space.size() == 8
+
+
+def test_repository_studies_load(repo_root):
+    for path in sorted((repo_root / "studies").glob("*.yaml")):
+        load_study(path)
+    seed = load_study(repo_root / "studies" / "seed-1b-2x24gb.yaml")
+    assert isinstance(seed.model, SeedModel)
+    assert seed.model.parameters == 10**9
+    assert seed.model.activation_bytes == {"none": 8 * 10**9, "full": 3 * 10**9}
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "key", "why"),
+    [
+        ("  layers: 2\n", "  layers: 2\n  layer: 3\n", "model.layer", "unknown key"),
+        ("  layers: 2\n", "  layers: two\n", "model.layers", "whole number"),
+        ("  heads: 4\n", "  heads: 5\n", "model", "divisible"),
+        ("  gpu_memory: 8 GiB\n", "  gpu_memory: 8 GiBs\n", "hardware.gpu_memory", "unknown unit"),
+        ("  gpu_memory: 8 GiB\n", "", "hardware.gpu_memory", "required key is missing"),
+        ("  accelerator: cpu\n", "  accelerator: tpu\n", "hardware.accelerator", "expected one of cuda, cpu"),
+        ("  micro_batch_size: 2\n", "  micro_batch_size: 0\n", "training.micro_batch_size", "positive"),
+        ("    zero_stage: [0, 1, 2, 3]\n", "    zero_stage: [0, 4]\n", "search_space.knobs.zero_stage",
+         "expected 0, 1, 2 or 3"),
+        ("    precision: [fp32, bf16]\n", "    precison: [fp32]\n", "search_space.knobs.precison", "unknown knob"),
+        ("    precision: [fp32, bf16]\n", "    precision: [fp32, fp32]\n", "search_space.knobs.precision",
+         "listed twice"),
+        ("name: tiny\n", "name: tiny\nstudy_name: x\n", "study_name", "unknown key"),
+        ("  heads: 4\n", "  heads: 4\n  dropout: maybe\n", "model.dropout", "true or false"),
+    ],
+)
+def test_bad_study_names_file_key_and_why(tmp_path, old, new, key, why):
+    assert old in GOOD
+    path = _write(tmp_path, GOOD.replace(old, new, 1))
+    with pytest.raises(UserError) as info:
+        load_study(path)
+    assert info.value.source == str(path)
+    assert info.value.key == key
+    assert why in info.value.why
+
+
+def test_malformed_yaml_names_the_line(tmp_path):
+    path = _write(tmp_path, "model: [unclosed\n")
+    with pytest.raises(UserError, match="malformed YAML at line 2") as info:
+        load_study(path)
+    assert info.value.source == str(path)
+
+
+def test_missing_search_space_file(tmp_path):
+    path = _write(tmp_path, GOOD.split("search_space:")[0] + "search_space: nowhere.yaml\n")
+    with pytest.raises(UserError, match=r"search-space file 'nowhere\.yaml' not found") as info:
+        load_study(path)
+    assert info.value.key == "search_space"
+
+
+def test_missing_nvme_path_is_an_error(tmp_path):
+    text = GOOD.replace("  host_memory: 24 GiB\n", "  host_memory: 24 GiB\n  nvme_path: /no/such/nvme\n")
+    path = _write(tmp_path, text)
+    with pytest.raises(UserError, match="not an existing directory") as info:
+        load_study(path)
+    assert info.value.key == "hardware.nvme_path"
+
+
+def test_nvme_capacity_read_from_an_existing_path(tmp_path):
+    text = GOOD.replace("  host_memory: 24 GiB\n", f"  host_memory: 24 GiB\n  nvme_path: {tmp_path}\n")
+    path = _write(tmp_path, text)
+    assert load_study(path).hardware.nvme_bytes > 0
+
+
+def test_cli_bad_study_exits_2_with_one_line(tmp_path, capsys):
+    path = _write(tmp_path, GOOD.replace("  layers: 2\n", "  layers: -2\n"))
+    assert main(["ledger", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert str(path) in err and "model.layers" in err
+
+
+def test_cli_missing_file_exits_2(tmp_path, capsys):
+    assert main(["ledger", str(tmp_path / "absent.yaml")]) == 2
+    assert "study file not found" in capsys.readouterr().err
