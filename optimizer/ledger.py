@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 from optimizer.constraints import invalid_reasons
 from optimizer.knobs import Candidate
-from optimizer.ledger_items import Category, LedgerItem, Location, Phase
+from optimizer.ledger_items import TRANSIENT_PHASES, Category, LedgerItem, Location, Phase
 from optimizer.model_states import transformer_items
 from optimizer.seed_ledger import seed_items
-from optimizer.specs import HardwareSpec, ModelSpec, SeedModel, TrainingSpec
+from optimizer.specs import Accelerator, HardwareSpec, ModelSpec, SeedModel, TrainingSpec
 
 __all__ = [
     "Category",
@@ -53,6 +53,8 @@ class Ledger:
     """Every item, bytes per rank."""
     ranks_per_node: int
     """Ranks sharing one host and one NVMe."""
+    device_is_host: bool
+    """CPU ranks: the "device" memory is host RAM, so the host check includes it."""
     gpu_capacity_bytes: int
     """Nominal device memory."""
     device_reserve_bytes: int
@@ -64,19 +66,39 @@ class Ledger:
     nvme_capacity_bytes: int | None
     """NVMe capacity per node; None = unchecked."""
 
-    def _gpu_items(self, phase: Phase) -> list[LedgerItem]:
-        return [i for i in self.items if i.location is Location.GPU and i.phase is phase]
+    def _at(self, location: Location, phase: Phase) -> list[LedgerItem]:
+        return [i for i in self.items if i.location is location and i.phase is phase]
+
+    def _phase_bytes(self, location: Location, phase: Phase) -> int:
+        return sum(i.bytes for i in self._at(location, phase))
+
+    def peak_phase_at(self, location: Location) -> Phase:
+        """The phase of ``location``'s peak: a transient phase (its items plus the always-live ones), or init."""
+        always = self._phase_bytes(location, Phase.ALWAYS)
+        best = max(TRANSIENT_PHASES, key=lambda ph: (self._phase_bytes(location, ph), -TRANSIENT_PHASES.index(ph)))
+        if self._phase_bytes(location, Phase.INIT) > always + self._phase_bytes(location, best):
+            return Phase.INIT
+        return best
+
+    def peak_items_at(self, location: Location) -> list[LedgerItem]:
+        """Items live at ``location``'s peak."""
+        phase = self.peak_phase_at(location)
+        if phase is Phase.INIT:
+            return self._at(location, Phase.INIT)
+        return self._at(location, Phase.ALWAYS) + self._at(location, phase)
+
+    def peak_bytes_at(self, location: Location) -> int:
+        """Bytes one rank holds at ``location`` at its peak."""
+        return sum(i.bytes for i in self.peak_items_at(location))
 
     @property
     def peak_phase(self) -> Phase:
-        """The phase whose transient items make the per-GPU peak (backward on a tie)."""
-        backward = sum(i.bytes for i in self._gpu_items(Phase.BACKWARD))
-        step = sum(i.bytes for i in self._gpu_items(Phase.STEP))
-        return Phase.STEP if step > backward else Phase.BACKWARD
+        """The phase of the per-GPU peak."""
+        return self.peak_phase_at(Location.GPU)
 
     def peak_items(self) -> list[LedgerItem]:
-        """GPU items live at the peak: the always-live ones and the peak phase's."""
-        return self._gpu_items(Phase.ALWAYS) + self._gpu_items(self.peak_phase)
+        """GPU items live at the per-GPU peak."""
+        return self.peak_items_at(Location.GPU)
 
     def per_gpu(self) -> dict[str, int]:
         """Bytes per GPU at the peak, by category, plus ``total``."""
@@ -87,16 +109,11 @@ class Ledger:
         return out
 
     def phase_totals(self) -> dict[str, int]:
-        """Per-GPU bytes if each transient phase were the peak."""
-        always = sum(i.bytes for i in self._gpu_items(Phase.ALWAYS))
-        return {
-            Phase.BACKWARD.value: always + sum(i.bytes for i in self._gpu_items(Phase.BACKWARD)),
-            Phase.STEP.value: always + sum(i.bytes for i in self._gpu_items(Phase.STEP)),
-        }
-
-    def per_rank_at(self, location: Location) -> int:
-        """Bytes one rank holds at ``location`` (host or NVMe), all phases together."""
-        return sum(i.bytes for i in self.items if i.location is location)
+        """Per-GPU bytes if each phase were the peak."""
+        always = self._phase_bytes(Location.GPU, Phase.ALWAYS)
+        out = {ph.value: always + self._phase_bytes(Location.GPU, ph) for ph in TRANSIENT_PHASES}
+        out[Phase.INIT.value] = self._phase_bytes(Location.GPU, Phase.INIT)
+        return out
 
     @property
     def predicted_reserved_bytes(self) -> int:
@@ -110,13 +127,16 @@ class Ledger:
 
     @property
     def host_bytes(self) -> int:
-        """Host RAM one node needs for the offloaded state of all its ranks."""
-        return self.ranks_per_node * self.per_rank_at(Location.HOST)
+        """Host RAM one node needs: every rank's host peak (and, for CPU ranks, its device peak)."""
+        per_rank = self.peak_bytes_at(Location.HOST)
+        if self.device_is_host:
+            per_rank += self.peak_bytes_at(Location.GPU)
+        return self.ranks_per_node * per_rank
 
     @property
     def nvme_bytes(self) -> int:
         """NVMe one node needs for the swapped state of all its ranks."""
-        return self.ranks_per_node * self.per_rank_at(Location.NVME)
+        return self.ranks_per_node * self.peak_bytes_at(Location.NVME)
 
     @property
     def fits_gpu(self) -> bool:
@@ -129,7 +149,7 @@ class Ledger:
 
     @property
     def fits_nvme(self) -> bool | None:
-        """None when the study gives no NVMe capacity (and nothing goes there: True)."""
+        """True when nothing goes to NVMe; None when the study gives no NVMe capacity."""
         if self.nvme_bytes == 0:
             return True
         return None if self.nvme_capacity_bytes is None else self.nvme_bytes <= self.nvme_capacity_bytes
@@ -140,7 +160,7 @@ class Ledger:
         return self.fits_gpu and self.fits_host is not False and self.fits_nvme is not False
 
     def verdict_reasons(self) -> tuple[str, ...]:
-        """Why it does not fit (empty when it fits)."""
+        """Why it does not fit (empty when it fits), bytes as integers."""
         reasons = []
         if not self.fits_gpu:
             reasons.append(f"GPU needs {self.gpu_needed_bytes} B > {self.gpu_capacity_bytes} B")
@@ -174,6 +194,7 @@ def compute_ledger(
         candidate=candidate,
         items=tuple(items),
         ranks_per_node=hardware.gpus_per_node,
+        device_is_host=hardware.accelerator is Accelerator.CPU,
         gpu_capacity_bytes=hardware.gpu_memory_bytes,
         device_reserve_bytes=hardware.device_reserve_bytes,
         allocator_overhead=hardware.allocator_overhead,

@@ -26,11 +26,23 @@ class Category(str, Enum):
 
 
 class Phase(str, Enum):
-    """When an item is live: for the whole step, only around backward, or only in the optimizer step."""
+    """When an item is live.
+
+    ``always`` items coexist with whichever transient phase is largest; ``init`` items exist only
+    before DeepSpeed has placed the model (nothing else is allocated yet).
+    """
 
     ALWAYS = "always"
+    INIT = "init"
     BACKWARD = "backward"
+    """Forward→backward: activations, gradient buckets, gathered ZeRO-3 parameters."""
+    REDUCE = "reduce"
+    """After backward: gradients reduced into their partitions."""
     STEP = "step"
+    """The optimizer step: FP32 gradient copies, norms."""
+
+
+TRANSIENT_PHASES = (Phase.BACKWARD, Phase.REDUCE, Phase.STEP)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from optimizer.ledger import Ledger, Verdict
 from optimizer.ledger_items import Category, LedgerItem, Location, Phase
-from optimizer.units import GB, format_gb
+from optimizer.units import GB, GiB, format_gb
 
 
 def _category_bytes(items: Sequence[LedgerItem], *, scale: int = 1) -> dict[str, int]:
@@ -26,13 +26,15 @@ def ledger_json(ledger: Ledger) -> dict[str, object]:
         needed=ledger.gpu_needed_bytes,
         capacity=ledger.gpu_capacity_bytes,
     )
-    host_items = [i for i in ledger.items if i.location is Location.HOST]
-    nvme_items = [i for i in ledger.items if i.location is Location.NVME]
+    host_items = ledger.peak_items_at(Location.HOST)
+    if ledger.device_is_host:  # CPU ranks: the device memory is host RAM
+        host_items = host_items + ledger.peak_items_at(Location.GPU)
     per_host = _category_bytes(host_items, scale=ledger.ranks_per_node)
-    per_host.update(per_rank=ledger.per_rank_at(Location.HOST), ranks=ledger.ranks_per_node,
+    per_host.update(per_rank=ledger.peak_bytes_at(Location.HOST), ranks=ledger.ranks_per_node,
+                    includes_device=ledger.device_is_host, needed=ledger.host_bytes,
                     capacity=ledger.host_capacity_bytes)
-    nvme = _category_bytes(nvme_items, scale=ledger.ranks_per_node)
-    nvme.update(per_rank=ledger.per_rank_at(Location.NVME), ranks=ledger.ranks_per_node,
+    nvme = _category_bytes(ledger.peak_items_at(Location.NVME), scale=ledger.ranks_per_node)
+    nvme.update(per_rank=ledger.peak_bytes_at(Location.NVME), ranks=ledger.ranks_per_node,
                 capacity=ledger.nvme_capacity_bytes)
     return {
         "candidate": ledger.candidate.knobs(),
@@ -63,56 +65,81 @@ def ledger_json(ledger: Ledger) -> dict[str, object]:
     }
 
 
-def _gb(num_bytes: int) -> str:
-    return f"{num_bytes / GB:10.2f}"
-
-
 def _fit_word(value: bool | None) -> str:
     return {True: "fits", False: "DOES NOT FIT", None: "unchecked (no capacity given)"}[value]
+
+
+def _rows(rows: Sequence[tuple[str, str, int]], *, indent: str = "  ") -> list[str]:
+    """Aligned ``item  formula  GB`` rows."""
+    name_w = max([len(r[0]) for r in rows] + [4])
+    formula_w = max([len(r[1]) for r in rows] + [7])
+    return [f"{indent}{name:<{name_w}}  {formula:<{formula_w}}  {num / GB:9.3f}" for name, formula, num in rows]
+
+
+def _other_phases(ledger: Ledger, location: Location) -> list[str]:
+    """The transient phases of ``location`` that are not its peak, with their items."""
+    peak = ledger.peak_phase_at(location)
+    lines: list[str] = []
+    for phase in Phase:
+        items = [i for i in ledger.items if i.location is location and i.phase is phase]
+        if phase is Phase.ALWAYS or phase is peak or not items:
+            continue
+        if not lines:
+            lines.append("  Other phases (not at the peak), per rank:")
+        if phase is Phase.INIT:
+            lines.append(f"    {phase.value}: {sum(i.bytes for i in items) / GB:.3f} GB (nothing else allocated yet)")
+        else:
+            always = sum(i.bytes for i in ledger.items if i.location is location and i.phase is Phase.ALWAYS)
+            total = always + sum(i.bytes for i in items)
+            if peak is Phase.INIT:  # the always-live items are not in the peak listing: show them here
+                lines.append(f"    {phase.value}: {total / GB:.3f} GB")
+                items = [i for i in ledger.items if i.location is location and i.phase is Phase.ALWAYS] + items
+            else:
+                lines.append(f"    {phase.value}: {total / GB:.3f} GB with the always-live items")
+        lines += _rows([(i.name, i.formula, i.bytes) for i in items], indent="      ")
+    return lines
 
 
 def ledger_table(ledger: Ledger, *, study: str, psi: int) -> str:
     """A readable ledger like the seed's: item, formula, GB (10^9 bytes), then the verdict."""
     lines = [
         f"study {study} · candidate {ledger.candidate.label()}",
-        f"Ψ = {psi:,} parameters · {ledger.ranks_per_node} rank(s) per node · GB = 10^9 bytes",
+        f"Ψ = {psi:,} parameters · {ledger.ranks_per_node} rank(s) per node · GB = 10^9 bytes, GiB = 2^30 bytes",
         "",
-        f"Per GPU, at the peak ({ledger.peak_phase.value} phase)",
-        f"  {'item':<44} {'formula':<46} {'GB':>10}",
+        f"Per GPU — peak in the {ledger.peak_phase.value} phase",
     ]
-    for item in ledger.peak_items():
-        lines.append(f"  {item.name:<44} {item.formula:<46} {_gb(item.bytes)}")
-    per_gpu = ledger.per_gpu()
-    lines.append(f"  {'total (allocated peak)':<91} {_gb(per_gpu['total'])}")
+    peak = ledger.peak_items()
+    summary = [("allocated peak", "sum", ledger.per_gpu()["total"])]
     if ledger.allocator_overhead:
-        lines.append(f"  {f'reserved peak (allocator +{ledger.allocator_overhead:.0%})':<91} "
-                     f"{_gb(ledger.predicted_reserved_bytes)}")
+        overhead = f"reserved peak (allocator +{ledger.allocator_overhead:.0%})"
+        summary.append((overhead, "", ledger.predicted_reserved_bytes))
     if ledger.device_reserve_bytes:
-        lines.append(f"  {'+ device reserve (CUDA context, NCCL)':<91} {_gb(ledger.device_reserve_bytes)}")
-    lines.append(f"  {'needed / capacity':<80} {_gb(ledger.gpu_needed_bytes)} / {ledger.gpu_capacity_bytes / GB:.2f}"
-                 f"  {_fit_word(ledger.fits_gpu)}")
-    off_peak = [i for i in ledger.items if i.location is Location.GPU and i.phase not in (Phase.ALWAYS,
-                                                                                         ledger.peak_phase)]
-    if off_peak:
-        lines.append("  not live at the peak:")
-        for item in off_peak:
-            lines.append(f"    {item.name + f' ({item.phase.value})':<42} {item.formula:<46} {_gb(item.bytes)}")
+        summary.append(("device reserve (CUDA context, NCCL)", "", ledger.device_reserve_bytes))
+    summary.append(("needed", "", ledger.gpu_needed_bytes))
+    table = _rows([(i.name, i.formula, i.bytes) for i in peak] + summary)
+    lines += [*table[:len(peak)], "  " + "-" * (len(table[0]) - 2), *table[len(peak):]]
+    cap = ledger.gpu_capacity_bytes
+    lines.append(f"  capacity {cap / GB:.2f} GB ({cap / GiB:.2f} GiB): {_fit_word(ledger.fits_gpu)}")
+    other = _other_phases(ledger, Location.GPU)
+    lines += ["", *other] if other else []
     for location, title, capacity, total, fits in (
-        (Location.HOST, "Per host", ledger.host_capacity_bytes, ledger.host_bytes, ledger.fits_host),
+        (Location.HOST, "Host RAM per node", ledger.host_capacity_bytes, ledger.host_bytes, ledger.fits_host),
         (Location.NVME, "NVMe per node", ledger.nvme_capacity_bytes, ledger.nvme_bytes, ledger.fits_nvme),
     ):
-        items = [i for i in ledger.items if i.location is location]
-        if not items:
+        if not any(i.location is location for i in ledger.items):
             continue
-        lines += ["", f"{title} ({ledger.ranks_per_node} rank(s) × per-rank bytes)"]
-        for item in items:
-            lines.append(f"  {item.name:<44} {item.formula:<46} {_gb(item.bytes)}  per rank")
-        cap = "?" if capacity is None else f"{capacity / GB:.2f}"
-        lines.append(f"  {'total / capacity':<80} {_gb(total)} / {cap}  {_fit_word(fits)}")
+        phase = ledger.peak_phase_at(location)
+        lines += ["", f"{title} — {ledger.ranks_per_node} rank(s) × the per-rank peak ({phase.value} phase)"]
+        lines += _rows([(i.name, i.formula, i.bytes) for i in ledger.peak_items_at(location)])
+        if location is Location.HOST and ledger.device_is_host:
+            lines.append("  + each rank's device peak above (CPU ranks: the device memory is host RAM)")
+        cap_text = "?" if capacity is None else f"{capacity / GB:.2f} GB"
+        lines.append(f"  needed {total / GB:.3f} GB of {cap_text}: {_fit_word(fits)}")
+        lines += _other_phases(ledger, location)
     lines += ["", f"Verdict: {'FITS' if ledger.fits else 'DOES NOT FIT'}"
               + ("" if ledger.fits else f" — {'; '.join(_human_reasons(ledger))}")]
     sources = sorted({i.source for i in ledger.items})
-    lines += ["", "Sources:"] + [f"  - {s}" for s in sources]
+    lines += ["", "Sources:"] + [f"  - {src}" for src in sources]
     return "\n".join(lines)
 
 

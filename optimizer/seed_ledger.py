@@ -20,7 +20,7 @@ scales the stated FP32 activations to 16-bit elements.
 from __future__ import annotations
 
 from optimizer.knobs import Candidate, OffloadDevice, Precision, ZeroStage
-from optimizer.ledger_items import Category, LedgerItem, Location
+from optimizer.ledger_items import Category, LedgerItem, Location, Phase
 from optimizer.specs import HardwareSpec, SeedModel, TrainingSpec
 
 SEED = "seed document (../shared/seeds/), table '先把单卡 26 GB 的账算出来'"
@@ -86,7 +86,8 @@ def seed_items(
         formula += f" × {lp}/{model.activation_precision.bytes_per_element} (element bytes)"
     items.append(LedgerItem(
         name=f"activations ({candidate.checkpointing})", category=Category.ACTIVATIONS, location=Location.GPU,
-        bytes=scaled, formula=formula, source=f"{SEED}; linear in b (Korthikanti et al. 2022 §4.1)"))
+        bytes=scaled, formula=formula, source=f"{SEED}; linear in b (Korthikanti et al. 2022 §4.1)",
+        phase=Phase.BACKWARD))
     items.append(LedgerItem(
         name="working buffers (stated)", category=Category.BUFFERS, location=Location.GPU,
         bytes=model.buffer_bytes, formula="stated", source=SEED))

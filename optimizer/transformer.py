@@ -32,39 +32,81 @@ LOGIT_BYTES = 4
 """Cross-entropy runs on FP32 logits: Korthikanti §4.1 counts 4·s·b·V for them."""
 
 
-def parameter_count(model: TransformerModel) -> int:
-    """Trainable parameters: embeddings, L blocks, the final norm and (if untied) the LM head.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParameterTensor:
+    """One trainable tensor of the model."""
 
-    Per block: attention Q,O (h·h each) and K,V (h·kv·d each, d = h/a) plus biases; MLP 2·h·f
-    (GELU) or 3·h·f (SwiGLU) plus biases; two norms (LayerNorm 2h, RMSNorm h). Learned positions
-    add ``max_positions``·h. This is the count of GPT-2 (Radford et al. 2019) and Llama
-    (Touvron et al. 2023) blocks in Hugging Face ``transformers``.
+    module: str
+    """The module that owns it (ZeRO-3 gathers a module's own parameters together)."""
+    numel: int
+    """Elements."""
+
+
+def parameter_tensors(model: TransformerModel) -> tuple[ParameterTensor, ...]:
+    """Every trainable tensor, as GPT-2 (Radford et al. 2019) and Llama (Touvron et al. 2023) lay them out
+    in Hugging Face ``transformers``.
+
+    Per block: attention Q and O (h·h each) and K, V (h·kv·d each, d = h/a) with optional biases;
+    MLP 2·h·f (GELU: fc, proj) or 3·h·f (SwiGLU: gate, up, down) with optional biases; two norms
+    (LayerNorm: weight and bias of h; RMSNorm: weight). Learned positions add ``max_positions``·h;
+    an untied LM head adds V·h.
     """
     h, f, V = model.hidden_size, model.ffn_size, model.vocab_size
     kv = model.kv_heads * model.head_dim
-    attention = 2 * h * h + 2 * h * kv + ((2 * h + 2 * kv) if model.bias else 0)
-    if model.mlp is MlpKind.GELU:
-        mlp = 2 * h * f + ((f + h) if model.bias else 0)
-    else:
-        mlp = 3 * h * f + ((2 * f + h) if model.bias else 0)
-    norm = 2 * h if model.norm is NormKind.LAYERNORM else h
-    block = attention + mlp + 2 * norm
-    embeddings = V * h + (model.max_positions * h if model.position_embedding is PositionKind.LEARNED else 0)
-    head = 0 if model.tied_embeddings else V * h
-    return embeddings + model.layers * block + norm + head
+    out = [ParameterTensor(module="embed_tokens", numel=V * h)]
+    if model.position_embedding is PositionKind.LEARNED:
+        out.append(ParameterTensor(module="embed_positions", numel=model.max_positions * h))
+
+    def linear(name: str, fan_in: int, fan_out: int) -> list[ParameterTensor]:
+        weight = [ParameterTensor(module=name, numel=fan_in * fan_out)]
+        return weight + ([ParameterTensor(module=name, numel=fan_out)] if model.bias else [])
+
+    def norm(name: str) -> list[ParameterTensor]:
+        tensors = [ParameterTensor(module=name, numel=h)]
+        return tensors + ([ParameterTensor(module=name, numel=h)] if model.norm is NormKind.LAYERNORM else [])
+
+    mlp = (("fc", h, f), ("proj", f, h)) if model.mlp is MlpKind.GELU else (("gate", h, f), ("up", h, f),
+                                                                            ("down", f, h))
+    for layer in range(model.layers):
+        prefix = f"layers.{layer}"
+        out += norm(f"{prefix}.norm1")
+        for name, fan_out in (("q", h), ("k", kv), ("v", kv), ("o", h)):
+            out += linear(f"{prefix}.attn.{name}", h, fan_out)
+        out += norm(f"{prefix}.norm2")
+        for name, fan_in, fan_out in mlp:
+            out += linear(f"{prefix}.mlp.{name}", fan_in, fan_out)
+    out += norm("final_norm")
+    if not model.tied_embeddings:
+        out.append(ParameterTensor(module="lm_head", numel=V * h))
+    return tuple(out)
+
+
+def parameter_count(model: TransformerModel) -> int:
+    """Trainable parameters Ψ: the sum over :func:`parameter_tensors`."""
+    return sum(t.numel for t in parameter_tensors(model))
 
 
 def largest_layer_parameters(model: TransformerModel) -> int:
     """Parameters of the largest single module — what ZeRO-3 gathers at once.
 
     DeepSpeed's estimator takes the max over modules of their own (non-recursive) parameters
-    (``stage3.py: estimate_zero3_model_states_mem_needs_all_live``). Here: the token embedding
-    (or untied LM head) V·h, or the largest MLP matrix h·f (+ bias).
+    (``stage3.py: estimate_zero3_model_states_mem_needs_all_live``); so does this.
     """
-    h, f = model.hidden_size, model.ffn_size
-    mlp_matrix = h * f + (f if model.bias else 0)
-    qkv_matrix = h * h + (h if model.bias else 0)
-    return max(model.vocab_size * h, mlp_matrix, qkv_matrix)
+    per_module: dict[str, int] = {}
+    for tensor in parameter_tensors(model):
+        per_module[tensor.module] = per_module.get(tensor.module, 0) + tensor.numel
+    return max(per_module.values())
+
+
+def largest_tensor_parameters(model: TransformerModel) -> int:
+    """Elements of the largest single parameter tensor (ZeRO-1/2 buffers are sized by it)."""
+    return max(t.numel for t in parameter_tensors(model))
+
+
+def persistent_parameters(model: TransformerModel, *, threshold: int) -> int:
+    """Elements ZeRO-3 never partitions: tensors with numel ≤ ``stage3_param_persistence_threshold``
+    (``runtime/zero/parameter_offload.py``, ``ds_persist``)."""
+    return sum(t.numel for t in parameter_tensors(model) if t.numel <= threshold)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
