@@ -1,0 +1,106 @@
+"""``dsopt ledger``: table, JSON, --all, and exit code 2 for every user mistake."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from optimizer.cli import main
+
+GB = 10**9
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_table_for_one_candidate(capsys, seed_study_path):
+    code, out, _ = run(capsys, "ledger", str(seed_study_path), "--set", "zero_stage=2", "--set", "checkpointing=full")
+    assert code == 0
+    assert "GB = 10^9 bytes" in out
+    assert "15.000" in out and "Verdict: FITS" in out
+
+
+def test_json_has_integer_byte_fields(capsys, seed_study_path):
+    code, out, _ = run(capsys, "ledger", str(seed_study_path), "--set", "zero_stage=1",
+                       "--set", "offload_optimizer=cpu", "--json")
+    assert code == 0
+    data = json.loads(out)
+    per_gpu = data["per_gpu"]
+    for key in ("params", "grads", "optimizer", "activations", "buffers", "total"):
+        assert isinstance(per_gpu[key], int), key
+    assert per_gpu["total"] == 18 * GB
+    assert data["per_host"]["total"] == 8 * GB  # 2 ranks x 4 GB of Adam states
+    assert data["nvme"]["total"] == 0
+    assert data["fits"] is True
+    assert data["candidate"]["zero_stage"] == 1
+
+
+def test_baseline_without_set_is_the_seed_26gb(capsys, seed_study_path):
+    code, out, _ = run(capsys, "ledger", str(seed_study_path), "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["per_gpu"]["total"] == 26 * GB and data["fits"] is False
+    assert data["reasons"]
+
+
+def test_all_lists_every_candidate_with_counts(capsys, seed_study_path):
+    code, out, _ = run(capsys, "ledger", str(seed_study_path), "--all", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["counts"] == {"total": 32, "valid": 28, "invalid": 4, "fits": 27, "does_not_fit": 1}
+    fitting = [c["per_gpu"]["needed"] for c in data["candidates"] if c["valid"] and c["fits"]]
+    assert fitting == sorted(fitting)
+    assert all(not c["valid"] for c in data["candidates"][-4:])
+    code, out, _ = run(capsys, "ledger", str(seed_study_path), "--all")
+    assert "28 valid (27 fit, 1 do not fit), 4 invalid, 32 in all" in out
+
+
+def test_transformer_study_all(capsys, repo_root):
+    code, out, _ = run(capsys, "ledger", str(repo_root / "studies" / "gpt2-tiny-cpu.yaml"), "--all")
+    assert code == 0 and "in all" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--set", "zero_stage=0", "--set", "offload_optimizer=cpu"], "invalid combination"),
+        (["--set", "zero_stage=7"], "--set: zero_stage: expected 0, 1, 2 or 3"),
+        (["--set", "zero=1"], "--set: zero: unknown knob"),
+        (["--set", "zero_stage"], "expected knob=value"),
+        (["--set", "zero_stage=1", "--set", "zero_stage=2"], "given twice"),
+        (["--all", "--set", "zero_stage=1"], "drop --set"),
+    ],
+)
+def test_user_mistakes_exit_2_with_one_line(capsys, seed_study_path, argv, needle):
+    code, out, err = run(capsys, "ledger", str(seed_study_path), *argv)
+    assert code == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert needle in err
+
+
+def test_console_script_exit_code(seed_study_path, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {kind: seed\n")
+    proc = subprocess.run([sys.executable, "-m", "optimizer.cli", "ledger", str(bad)], capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 2
+    assert str(bad) in proc.stderr and "malformed YAML" in proc.stderr
+    ok = subprocess.run([sys.executable, "-m", "optimizer.cli", "ledger", str(seed_study_path), "--json"],
+                        capture_output=True, text=True, check=False)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["per_gpu"]["total"] == 26 * GB
+
+
+def test_the_ledger_imports_neither_torch_nor_deepspeed():
+    code = (
+        "import sys; import optimizer.cli, optimizer.ledger, optimizer.model_states, optimizer.study_file; "
+        "bad = [m for m in ('torch', 'deepspeed') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
