@@ -1,0 +1,126 @@
+"""The ledger's model-state items against what real DeepSpeed allocates on 2 CPU ranks.
+
+One ``torchrun`` launch (``DS_ACCELERATOR=cpu``, gloo) trains one step per case and records the
+bytes of DeepSpeed's own tensors: the flat low-precision parameters, the FP32 master partition, the
+Adam states, and at ZeRO-3 the gradient partition, the bucket and the persistent parameters. Each
+must equal the ledger's item exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from optimizer.knobs import Candidate, NoCheckpointing, OffloadDevice, Precision, ZeroStage
+from optimizer.ledger import compute_ledger
+from optimizer.specs import Accelerator, HardwareSpec, TrainingSpec, TransformerModel
+from optimizer.zero_settings import zero_settings
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).parent
+MODEL = TransformerModel(layers=2, hidden_size=64, heads=4, kv_heads=4, ffn_size=256, vocab_size=256,
+                         max_positions=32)
+HARDWARE = HardwareSpec(accelerator=Accelerator.CPU, gpus_per_node=2, gpu_memory_bytes=4 * 2**30,
+                        supported_precisions=(Precision.FP32, Precision.BF16))
+TRAINING = TrainingSpec(global_batch_size=4, micro_batch_size=2, sequence_length=32)
+CASES = [
+    (stage, precision, offload)
+    for stage in (ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS, ZeroStage.PARAMETERS)
+    for precision in (Precision.FP32, Precision.BF16)
+    for offload in (OffloadDevice.NONE,)
+] + [(ZeroStage.OPTIMIZER, Precision.BF16, OffloadDevice.CPU)]
+
+
+def _name(stage, precision, offload) -> str:
+    return f"z{int(stage)}-{precision}-{offload}"
+
+
+def _config(stage: ZeroStage, precision: Precision, offload: OffloadDevice) -> dict:
+    """A minimal DeepSpeed config with dsopt's bucket sizes (the full builder arrives with the trial issue)."""
+    zs = zero_settings(model=MODEL, stage=stage)
+    zero: dict = {
+        "stage": int(stage),
+        "reduce_bucket_size": zs.reduce_bucket_elements,
+        "allgather_bucket_size": zs.allgather_bucket_elements,
+        "overlap_comm": zs.overlap_comm,
+        "contiguous_gradients": zs.contiguous_gradients,
+    }
+    if stage is ZeroStage.PARAMETERS:
+        zero.update(stage3_prefetch_bucket_size=zs.prefetch_bucket_elements,
+                    stage3_param_persistence_threshold=zs.param_persistence_threshold,
+                    stage3_max_reuse_distance=zs.max_reuse_distance)
+    if offload is not OffloadDevice.NONE:
+        zero["offload_optimizer"] = {"device": offload.value}
+    return {
+        "train_micro_batch_size_per_gpu": TRAINING.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision is Precision.BF16},
+        "steps_per_print": 10**9,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[str, dict[str, int]]:
+    work = tmp_path_factory.mktemp("ds_model_states")
+    cases = [{"name": _name(*c), "config": _config(*c), "seq": TRAINING.sequence_length,
+              "model": {"layers": MODEL.layers, "hidden": MODEL.hidden_size, "heads": MODEL.heads,
+                        "ffn": MODEL.ffn_size, "vocab": MODEL.vocab_size, "positions": MODEL.max_positions}}
+             for c in CASES]
+    (work / "cases.json").write_text(json.dumps(cases))
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    argv = [torchrun, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+            str(HERE / "probe_model_states.py"), str(work / "cases.json"), str(work)]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out: dict[str, dict[str, int]] = {}
+    for case in cases:
+        ranks = [json.loads((work / f"{case['name']}.rank{r}.json").read_text()) for r in range(2)]
+        out[case["name"]] = {key: max(r[key] for r in ranks) for key in ranks[0]}
+    return out
+
+
+def _ledger_item(led, prefix: str):
+    matches = [i for i in led.items if i.name.startswith(prefix)]
+    assert len(matches) == 1, [i.name for i in led.items]
+    return matches[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_name(*c) for c in CASES])
+def test_ledger_model_states_equal_deepspeeds_tensors(measured, case):
+    stage, precision, offload = case
+    real = measured[_name(*case)]
+    from optimizer.transformer import parameter_count
+
+    assert real["psi"] == parameter_count(MODEL)
+    candidate = Candidate(zero_stage=stage, offload_optimizer=offload, offload_param=OffloadDevice.NONE,
+                          precision=precision, checkpointing=NoCheckpointing(), micro_batch_size=2)
+    led = compute_ledger(candidate=candidate, model=MODEL, hardware=HARDWARE, training=TRAINING)
+    assert _ledger_item(led, "fp32 master partition").bytes == real["master"]
+    assert _ledger_item(led, "Adam exp_avg").bytes == real["adam"]
+    if stage is ZeroStage.PARAMETERS:
+        assert _ledger_item(led, f"{precision} parameter partition").bytes == real["params"]
+        assert _ledger_item(led, f"{precision} gradient partition").bytes == real["grad_partition"]
+        assert _ledger_item(led, "gradient bucket").bytes == real["bucket"]
+        assert _ledger_item(led, "persistent parameters").bytes == real["persistent"]
+    else:
+        assert _ledger_item(led, f"{precision} parameters (flat, full)").bytes == real["params"]
+        assert real["master_is_a_copy"] == 1  # even in fp32 training: stage_1_and_2.py:560 clones
+        if offload is OffloadDevice.CPU:
+            assert _ledger_item(led, "fp32 gradient partition (pinned)").bytes == real["host_fp32_grads"]
