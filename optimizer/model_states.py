@@ -31,8 +31,9 @@ from optimizer.transformer import (
     activation_estimate,
     largest_layer_parameters,
     largest_tensor_parameters,
-    parameter_tensors,
+    parameter_count,
     persistent_parameters,
+    zero3_partition_elements,
 )
 from optimizer.zero_settings import (
     DEEPSPEED_OPTIMIZER_SWAP_BUFFERS,
@@ -76,14 +77,13 @@ class _Sizes:
 
 def _sizes(*, model: TransformerModel, candidate: Candidate, hardware: HardwareSpec, training: TrainingSpec,
            settings: ZeroSettings) -> _Sizes:
-    tensors = parameter_tensors(model)
-    psi = sum(t.numel for t in tensors)
+    psi = parameter_count(model)
     n = hardware.world_size
     padded = -(-psi // (2 * n)) * (2 * n)
     p = padded // n
     largest_tensor = largest_tensor_parameters(model)
     straddlers = min(2, n - 1)
-    q = sum(-(-t.numel // n) for t in tensors)
+    q = zero3_partition_elements(model, ranks=n)
     return _Sizes(
         psi=psi, n=n, g=candidate.precision.bytes_per_element, padded=padded, p=p,
         sigma=min(psi, p + straddlers * largest_tensor), q=q, s=min(q, settings.sub_group_size),

@@ -15,6 +15,7 @@ p bytes per activation element (2 for bf16/fp16, 4 for fp32).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from optimizer.knobs import (
     Checkpointing,
@@ -42,9 +43,10 @@ class ParameterTensor:
     """Elements."""
 
 
+@lru_cache(maxsize=64)
 def parameter_tensors(model: TransformerModel) -> tuple[ParameterTensor, ...]:
-    """Every trainable tensor, as GPT-2 (Radford et al. 2019) and Llama (Touvron et al. 2023) lay them out
-    in Hugging Face ``transformers``.
+    """Every trainable tensor, laid out as GPT-2 (Radford et al. 2019) and Llama (Touvron et al. 2023)
+    are in Hugging Face ``transformers``. Cached: specs are frozen.
 
     Per block: attention Q and O (h·h each) and K, V (h·kv·d each, d = h/a) with optional biases;
     MLP 2·h·f (GELU: fc, proj) or 3·h·f (SwiGLU: gate, up, down) with optional biases; two norms
@@ -81,11 +83,19 @@ def parameter_tensors(model: TransformerModel) -> tuple[ParameterTensor, ...]:
     return tuple(out)
 
 
+@lru_cache(maxsize=64)
+def zero3_partition_elements(model: TransformerModel, *, ranks: int) -> int:
+    """Q = Σₚ ⌈nₚ/N⌉: ZeRO-3 pads every tensor to a multiple of N (``partition_parameters.py:1690-1696``)."""
+    return sum(-(-t.numel // ranks) for t in parameter_tensors(model))
+
+
+@lru_cache(maxsize=64)
 def parameter_count(model: TransformerModel) -> int:
     """Trainable parameters Ψ: the sum over :func:`parameter_tensors`."""
     return sum(t.numel for t in parameter_tensors(model))
 
 
+@lru_cache(maxsize=64)
 def largest_layer_parameters(model: TransformerModel) -> int:
     """Parameters of the largest single module — what ZeRO-3 gathers at once.
 
@@ -98,11 +108,13 @@ def largest_layer_parameters(model: TransformerModel) -> int:
     return max(per_module.values())
 
 
+@lru_cache(maxsize=64)
 def largest_tensor_parameters(model: TransformerModel) -> int:
     """Elements of the largest single parameter tensor (ZeRO-1/2 buffers are sized by it)."""
     return max(t.numel for t in parameter_tensors(model))
 
 
+@lru_cache(maxsize=64)
 def persistent_parameters(model: TransformerModel, *, threshold: int) -> int:
     """Elements ZeRO-3 never partitions: tensors with numel ≤ ``stage3_param_persistence_threshold``
     (``runtime/zero/parameter_offload.py``, ``ds_persist``)."""
