@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from enum import Enum, IntEnum
+from enum import IntEnum, StrEnum
 from typing import Final
 
 
@@ -28,26 +28,20 @@ class ZeroStage(IntEnum):
     """Also parameters partitioned; gathered layer by layer for compute."""
 
 
-class OffloadDevice(str, Enum):
+class OffloadDevice(StrEnum):
     """Where offloaded state lives (DeepSpeed ``offload_optimizer.device`` / ``offload_param.device``)."""
 
     NONE = "none"
     CPU = "cpu"
     NVME = "nvme"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Precision(str, Enum):
+class Precision(StrEnum):
     """Training precision: fp32, or bf16/fp16 mixed precision with FP32 master weights."""
 
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def bytes_per_element(self) -> int:

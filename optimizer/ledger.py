@@ -29,6 +29,7 @@ from optimizer.ledger_items import TRANSIENT_PHASES, Category, LedgerItem, Locat
 from optimizer.model_states import transformer_items
 from optimizer.seed_ledger import seed_items
 from optimizer.specs import Accelerator, HardwareSpec, ModelSpec, SeedModel, TrainingSpec
+from optimizer.units import format_gb
 
 __all__ = [
     "Category",
@@ -160,15 +161,14 @@ class Ledger:
         return self.fits_gpu and self.fits_host is not False and self.fits_nvme is not False
 
     def verdict_reasons(self) -> tuple[str, ...]:
-        """Why it does not fit (empty when it fits), bytes as integers."""
-        reasons = []
-        if not self.fits_gpu:
-            reasons.append(f"GPU needs {self.gpu_needed_bytes} B > {self.gpu_capacity_bytes} B")
-        if self.fits_host is False:
-            reasons.append(f"host needs {self.host_bytes} B > {self.host_capacity_bytes} B")
-        if self.fits_nvme is False:
-            reasons.append(f"NVMe needs {self.nvme_bytes} B > {self.nvme_capacity_bytes} B")
-        return tuple(reasons)
+        """Why it does not fit (empty when it fits), in GB (10^9 bytes)."""
+        checks = (
+            ("GPU", self.fits_gpu, self.gpu_needed_bytes, self.gpu_capacity_bytes),
+            ("host", self.fits_host, self.host_bytes, self.host_capacity_bytes),
+            ("NVMe", self.fits_nvme, self.nvme_bytes, self.nvme_capacity_bytes),
+        )
+        return tuple(f"{where} needs {format_gb(needed)} of {format_gb(capacity or 0)}"
+                     for where, fits, needed, capacity in checks if fits is False)
 
 
 class InvalidCandidate(ValueError):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class Location(str, Enum):
+class Location(StrEnum):
     """Where bytes live."""
 
     GPU = "gpu"
@@ -14,7 +14,7 @@ class Location(str, Enum):
     NVME = "nvme"
 
 
-class Category(str, Enum):
+class Category(StrEnum):
     """What the bytes are, as the seed's tables group them."""
 
     PARAMS = "params"
@@ -25,7 +25,7 @@ class Category(str, Enum):
     BUFFERS = "buffers"
 
 
-class Phase(str, Enum):
+class Phase(StrEnum):
     """When an item is live.
 
     ``always`` items coexist with whichever transient phase is largest; ``init`` items exist only

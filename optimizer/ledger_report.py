@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from optimizer.ledger import Ledger, Verdict
 from optimizer.ledger_items import Category, LedgerItem, Location, Phase
-from optimizer.units import GB, GiB, format_gb
+from optimizer.units import GB, GiB
 
 
 def _category_bytes(items: Sequence[LedgerItem], *, scale: int = 1) -> dict[str, int]:
@@ -137,21 +137,10 @@ def ledger_table(ledger: Ledger, *, study: str, psi: int) -> str:
         lines.append(f"  needed {total / GB:.3f} GB of {cap_text}: {_fit_word(fits)}")
         lines += _other_phases(ledger, location)
     lines += ["", f"Verdict: {'FITS' if ledger.fits else 'DOES NOT FIT'}"
-              + ("" if ledger.fits else f" — {'; '.join(_human_reasons(ledger))}")]
+              + ("" if ledger.fits else f" — {'; '.join(ledger.verdict_reasons())}")]
     sources = sorted({i.source for i in ledger.items})
     lines += ["", "Sources:"] + [f"  - {src}" for src in sources]
     return "\n".join(lines)
-
-
-def _human_reasons(ledger: Ledger) -> list[str]:
-    out = []
-    if not ledger.fits_gpu:
-        out.append(f"GPU needs {format_gb(ledger.gpu_needed_bytes)} of {format_gb(ledger.gpu_capacity_bytes)}")
-    if ledger.fits_host is False:
-        out.append(f"host needs {format_gb(ledger.host_bytes)} of {format_gb(ledger.host_capacity_bytes or 0)}")
-    if ledger.fits_nvme is False:
-        out.append(f"NVMe needs {format_gb(ledger.nvme_bytes)} of {format_gb(ledger.nvme_capacity_bytes or 0)}")
-    return out
 
 
 def _sort_key(verdict: Verdict) -> tuple[int, int, str]:

@@ -7,7 +7,7 @@ to the pure functions that need them. Bytes are integers; GB means 10^9 bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from optimizer.knobs import (
     Candidate,
@@ -19,24 +19,18 @@ from optimizer.knobs import (
 )
 
 
-class Accelerator(str, Enum):
+class Accelerator(StrEnum):
     """The device the ranks train on: CUDA GPUs, or CPU ranks (``DS_ACCELERATOR=cpu``)."""
 
     CUDA = "cuda"
     CPU = "cpu"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Optimizer(str, Enum):
+class Optimizer(StrEnum):
     """The training optimizer; both keep two FP32 states per parameter (Kingma & Ba 2015)."""
 
     ADAM = "adam"
     ADAMW = "adamw"
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def states_per_param(self) -> int:
@@ -44,44 +38,32 @@ class Optimizer(str, Enum):
         return 2
 
 
-class AttentionKind(str, Enum):
+class AttentionKind(StrEnum):
     """Eager attention materialises the s×s scores; fused/flash attention does not."""
 
     EAGER = "eager"
     FUSED = "fused"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class MlpKind(str, Enum):
+class MlpKind(StrEnum):
     """GPT-2's GELU MLP (two matrices) or Llama's SwiGLU MLP (three matrices)."""
 
     GELU = "gelu"
     SWIGLU = "swiglu"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class NormKind(str, Enum):
+class NormKind(StrEnum):
     """LayerNorm (weight and bias) or RMSNorm (weight only)."""
 
     LAYERNORM = "layernorm"
     RMSNORM = "rmsnorm"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class PositionKind(str, Enum):
+class PositionKind(StrEnum):
     """Learned absolute position embeddings (GPT-2) or rotary embeddings (no parameters)."""
 
     LEARNED = "learned"
     ROPE = "rope"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
