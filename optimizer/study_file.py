@@ -74,11 +74,11 @@ class _Section:
         self.key = key
         self.seen: set[str] = set()
 
-    def _full(self, name: str) -> str:
+    def full_key(self, name: str) -> str:
         return f"{self.key}.{name}" if self.key else name
 
     def error(self, name: str, why: str) -> UserError:
-        return UserError(source=self.source, key=self._full(name), why=why)
+        return UserError(source=self.source, key=self.full_key(name), why=why)
 
     def get(self, name: str, parse: Callable[[Any], T], default: Any = _MISSING) -> T:
         self.seen.add(name)
@@ -96,6 +96,13 @@ class _Section:
         if unknown:
             allowed = ", ".join(sorted(self.seen))
             raise self.error(str(unknown[0]), f"unknown key; allowed here: {allowed}")
+
+
+def _spec_error(section: _Section, err: ValueError) -> UserError:
+    """A spec's own validation error, keyed by the field its message starts with (else the section)."""
+    first = str(err).split(" ", 1)[0]
+    key = section.full_key(first) if first in section.raw else section.key
+    return UserError(source=section.source, key=key, why=str(err))
 
 
 def _positive_int(value: Any) -> int:
@@ -187,7 +194,7 @@ def _parse_model(section: _Section, *, sequence_length: int) -> ModelSpec:
                 max_positions=section.get("max_positions", _positive_int, sequence_length),
             )
     except ValueError as err:
-        raise UserError(source=section.source, key=section.key, why=str(err)) from None
+        raise _spec_error(section, err) from None
     section.finish()
     return model
 
@@ -228,7 +235,7 @@ def _parse_hardware(section: _Section) -> HardwareSpec:
             supported_precisions=section.get("supported_precisions", _precision_list, default_precisions),
         )
     except ValueError as err:
-        raise UserError(source=section.source, key=section.key, why=str(err)) from None
+        raise _spec_error(section, err) from None
     section.finish()
     return hardware
 
@@ -248,7 +255,7 @@ def _parse_training(section: _Section) -> TrainingSpec:
             optimizer=section.get("optimizer", _enum(Optimizer), Optimizer.ADAM),
         )
     except ValueError as err:
-        raise UserError(source=section.source, key=section.key, why=str(err)) from None
+        raise _spec_error(section, err) from None
     section.finish()
     return training
 
@@ -300,5 +307,10 @@ def load_study(path: str | Path) -> StudySpec:
     hardware = _parse_hardware(_Section(top.get("hardware", lambda v: v), source=source, key="hardware"))
     space = _parse_space_ref(top.get("search_space", lambda v: v), study_path=study_path)
     top.finish()
+    per_step = training.micro_batch_size * hardware.world_size
+    if training.global_batch_size % per_step:
+        raise UserError(source=source, key="training.micro_batch_size",
+                        why=f"the baseline micro-batch {training.micro_batch_size} x {hardware.world_size} ranks = "
+                            f"{per_step} does not divide global_batch_size={training.global_batch_size}")
     return StudySpec(name=name, path=study_path, model=model, hardware=hardware, training=training,
                      search_space=space)

@@ -66,7 +66,11 @@ def test_repository_studies_load(repo_root):
     [
         ("  layers: 2\n", "  layers: 2\n  layer: 3\n", "model.layer", "unknown key"),
         ("  layers: 2\n", "  layers: two\n", "model.layers", "whole number"),
-        ("  heads: 4\n", "  heads: 5\n", "model", "divisible"),
+        ("  heads: 4\n", "  heads: 5\n", "model.hidden_size", "divisible by heads (5)"),
+        ("  vocab_size: 128\n", "  vocab_size: 128\n  kv_heads: 3\n", "model.kv_heads", "must divide heads"),
+        ("  global_batch_size: 8\n", "  global_batch_size: 6\n", "training.micro_batch_size", "does not divide"),
+        ("  gpus_per_node: 2\n", "  gpus_per_node: 2\n  allocator_overhead: 1.5\n", "hardware.allocator_overhead",
+         "[0, 1)"),
         ("  gpu_memory: 8 GiB\n", "  gpu_memory: 8 GiBs\n", "hardware.gpu_memory", "unknown unit"),
         ("  gpu_memory: 8 GiB\n", "", "hardware.gpu_memory", "required key is missing"),
         ("  accelerator: cpu\n", "  accelerator: tpu\n", "hardware.accelerator", "expected one of cuda, cpu"),
