@@ -9,9 +9,10 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 from optimizer.errors import EXIT_USER_ERROR, UserError
-from optimizer.knobs import KNOB_NAMES, Candidate, with_knobs
+from optimizer.knobs import KNOB_NAMES, Candidate, parse_knob
 from optimizer.ledger import evaluate
 from optimizer.ledger_report import all_json, all_table, ledger_json, ledger_table
 from optimizer.specs import SeedModel, baseline_candidate
@@ -20,31 +21,21 @@ from optimizer.transformer import parameter_count
 
 
 def _parse_sets(pairs: Sequence[str], *, base: Candidate) -> Candidate:
+    """``--set knob=value`` pairs applied to ``base``; each mistake names the knob."""
     overrides: dict[str, object] = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name:
             raise UserError(source="--set", key=pair, why="expected knob=value, e.g. zero_stage=2")
-        if name not in KNOB_NAMES:
-            raise UserError(source="--set", key=name, why=f"unknown knob; knobs are {', '.join(KNOB_NAMES)}")
         if name in overrides:
             raise UserError(source="--set", key=name, why="given twice")
-        overrides[name] = value
-    try:
-        return with_knobs(base, overrides)
-    except ValueError as err:
-        bad = next((n for n in overrides if _bad_value(n, overrides[n])), "")
-        raise UserError(source="--set", key=bad, why=str(err)) from None
-
-
-def _bad_value(name: str, value: object) -> bool:
-    from optimizer.knobs import parse_knob
-
-    try:
-        parse_knob(name, value)
-    except ValueError:
-        return True
-    return False
+        try:
+            overrides[name] = parse_knob(name, value)
+        except KeyError:
+            raise UserError(source="--set", key=name, why=f"unknown knob; knobs are {', '.join(KNOB_NAMES)}") from None
+        except ValueError as err:
+            raise UserError(source="--set", key=name, why=str(err)) from None
+    return replace(base, **overrides)
 
 
 def _psi(study: StudySpec) -> int:
