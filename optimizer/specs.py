@@ -199,12 +199,18 @@ class TrainingSpec:
     """Tokens per sample (s)."""
     optimizer: Optimizer = Optimizer.ADAM
     """The optimizer."""
+    learning_rate: float = 1e-3
+    """Adam's learning rate."""
+    weight_decay: float = 0.0
+    """Adam's (decoupled for AdamW) weight decay."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "micro_batch_size", "sequence_length"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.learning_rate > 0 or self.weight_decay < 0:
+            raise ValueError("learning_rate must be > 0 and weight_decay >= 0")
 
 
 def baseline_candidate(training: TrainingSpec) -> Candidate:

@@ -253,6 +253,8 @@ def _parse_training(section: _Section) -> TrainingSpec:
             micro_batch_size=section.get("micro_batch_size", _positive_int),
             sequence_length=section.get("sequence_length", _positive_int),
             optimizer=section.get("optimizer", _enum(Optimizer), Optimizer.ADAM),
+            learning_rate=section.get("learning_rate", _fraction, 1e-3),
+            weight_decay=section.get("weight_decay", _fraction, 0.0),
         )
     except ValueError as err:
         raise _spec_error(section, err) from None

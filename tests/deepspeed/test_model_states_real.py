@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from optimizer.ds_config import build_ds_config
 from optimizer.knobs import Candidate, NoCheckpointing, OffloadDevice, Precision, ZeroStage
 from optimizer.ledger import compute_ledger
 from optimizer.specs import Accelerator, HardwareSpec, TrainingSpec, TransformerModel
-from optimizer.zero_settings import zero_settings
+from optimizer.transformer import parameter_count
 
 pytestmark = pytest.mark.slow
 
@@ -44,29 +45,13 @@ def _name(stage, precision, offload) -> str:
 
 
 def _config(stage: ZeroStage, precision: Precision, offload: OffloadDevice) -> dict:
-    """A minimal DeepSpeed config with dsopt's bucket sizes (the full builder arrives with the trial issue)."""
-    zs = zero_settings(model=MODEL, stage=stage)
-    zero: dict = {
-        "stage": int(stage),
-        "reduce_bucket_size": zs.reduce_bucket_elements,
-        "allgather_bucket_size": zs.allgather_bucket_elements,
-        "overlap_comm": zs.overlap_comm,
-        "contiguous_gradients": zs.contiguous_gradients,
-    }
-    if stage is ZeroStage.PARAMETERS:
-        zero.update(stage3_prefetch_bucket_size=zs.prefetch_bucket_elements,
-                    stage3_param_persistence_threshold=zs.param_persistence_threshold,
-                    stage3_max_reuse_distance=zs.max_reuse_distance)
-    if offload is not OffloadDevice.NONE:
-        zero["offload_optimizer"] = {"device": offload.value}
-    return {
-        "train_micro_batch_size_per_gpu": TRAINING.micro_batch_size,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-        "zero_optimization": zero,
-        "bf16": {"enabled": precision is Precision.BF16},
-        "steps_per_print": 10**9,
-    }
+    return build_ds_config(candidate=_candidate(stage, precision, offload), model=MODEL, hardware=HARDWARE,
+                           training=TRAINING)
+
+
+def _candidate(stage: ZeroStage, precision: Precision, offload: OffloadDevice) -> Candidate:
+    return Candidate(zero_stage=stage, offload_optimizer=offload, offload_param=OffloadDevice.NONE,
+                     precision=precision, checkpointing=NoCheckpointing(), micro_batch_size=TRAINING.micro_batch_size)
 
 
 def _free_port() -> int:
@@ -106,12 +91,8 @@ def _ledger_item(led, prefix: str):
 def test_ledger_model_states_equal_deepspeeds_tensors(measured, case):
     stage, precision, offload = case
     real = measured[_name(*case)]
-    from optimizer.transformer import parameter_count
-
     assert real["psi"] == parameter_count(MODEL)
-    candidate = Candidate(zero_stage=stage, offload_optimizer=offload, offload_param=OffloadDevice.NONE,
-                          precision=precision, checkpointing=NoCheckpointing(), micro_batch_size=2)
-    led = compute_ledger(candidate=candidate, model=MODEL, hardware=HARDWARE, training=TRAINING)
+    led = compute_ledger(candidate=_candidate(*case), model=MODEL, hardware=HARDWARE, training=TRAINING)
     assert _ledger_item(led, "fp32 master partition").bytes == real["master"]
     assert _ledger_item(led, "Adam exp_avg").bytes == real["adam"]
     if stage is ZeroStage.PARAMETERS:
