@@ -1,6 +1,7 @@
 """The ``dsopt`` command line. Thin: parse, load the study, one library call, print.
 
-``main()`` returns the exit code: 0 on success, 2 on a user mistake (printed on one line).
+``main()`` returns the exit code: 0 on success, 2 on a user mistake (printed on one line); ``dsopt trial``
+returns 1 when the trial ran and failed (its outcome — oom, nan, unsupported, timeout, crash — is printed).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from optimizer.ledger_report import all_json, all_table, ledger_json, ledger_tab
 from optimizer.specs import SeedModel, baseline_candidate
 from optimizer.study_file import StudySpec, load_study
 from optimizer.transformer import parameter_count
+from optimizer.trial_report import trial_json, trial_table
+from optimizer.trial_result import Outcome
 
 
 def _parse_sets(pairs: Sequence[str], *, base: Candidate) -> Candidate:
@@ -70,6 +73,35 @@ def _ledger(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trial(args: argparse.Namespace) -> int:
+    from launchers.trial import ReferenceFailed, check_devices, reference_losses, run_trial, trial_dir_for
+
+    study = load_study(args.study)
+    candidate = _parse_sets(args.set, base=baseline_candidate(study.training))
+    spec = {"model": study.model, "hardware": study.hardware, "training": study.training}
+    verdict = evaluate(candidate=candidate, **spec)
+    if verdict.ledger is None:
+        knobs = " ".join(f"{k}={v}" for k, v in candidate.knobs().items())
+        raise UserError(source="--set", key=knobs, why="invalid combination: " + "; ".join(verdict.invalid_reasons))
+    if isinstance(study.model, SeedModel):
+        raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to run; "
+                        "trials need model.kind: transformer")
+    check_devices(study)
+    reference = None
+    if candidate != baseline_candidate(study.training):
+        try:
+            reference = reference_losses(study)
+        except ReferenceFailed as failed:
+            print(f"dsopt: warning: {failed}; loss fidelity is not computed", file=sys.stderr)
+    result = run_trial(study=study, candidate=candidate, reference_losses=reference)
+    if reference is None and result.losses and candidate == baseline_candidate(study.training):
+        result = replace(result, loss_fidelity=0.0)  # the baseline is its own reference
+    data = trial_json(result=result, ledger=verdict.ledger, tolerance=study.trial.tolerance(candidate.precision),
+                      trial_dir=str(trial_dir_for(study, candidate)), study=study.name)
+    print(json.dumps(data, indent=2) if args.json else trial_table(data))
+    return 0 if result.outcome is Outcome.OK else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsopt", description="Search-based optimizer for DeepSpeed configurations.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     ledger.add_argument("--all", action="store_true", help="every candidate of the study's search space, sorted")
     ledger.add_argument("--json", action="store_true", help="print JSON (integer bytes)")
     ledger.set_defaults(run=_ledger)
+    trial = sub.add_parser("trial", help="run one candidate for real: peak memory, speed, loss, fidelity")
+    trial.add_argument("study", help="study file with a transformer-mode model, e.g. studies/cpu-tiny.yaml")
+    trial.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
+                       help="set a knob (repeatable); others take the baseline")
+    trial.add_argument("--json", action="store_true", help="print one JSON object")
+    trial.set_defaults(run=_trial)
     return parser
 
 

@@ -6,7 +6,9 @@ and ``runtime/zero/config.py``):
 * ``offload_optimizer`` needs ZeRO stage ≥ 1 (the offload lives inside the ZeRO optimizer);
 * ``offload_optimizer: nvme`` needs stage 3 (ZeRO-Infinity; stages 1–2 offload to CPU only);
 * ``offload_param`` needs stage 3 (only stage 3 partitions parameters);
-* fp16 is refused on CPU ranks ("Type fp16 is not supported on your device");
+* the precision must be one the hardware supports (``hardware.supported_precisions``; for CPU ranks the
+  default leaves fp16 out: DeepSpeed's CPU accelerator refuses it — "Type fp16 is not supported on your
+  device" — unless oneDNN supports fp16 on that CPU, e.g. AVX512-FP16/AMX);
 * the micro-batch must divide the global batch over the data-parallel ranks, since gradient
   accumulation is derived: ``global = micro × accumulation × ranks``;
 * a checkpointing option must make sense for the model: ``every_K`` needs K ≤ layers, and a
@@ -36,8 +38,8 @@ def invalid_reasons(
     if candidate.precision not in hardware.supported_precisions:
         supported = ", ".join(p.value for p in hardware.supported_precisions)
         reasons.append(
-            f"precision={candidate.precision} is not supported on {hardware.accelerator} devices "
-            f"(supported: {supported})"
+            f"precision={candidate.precision} is not supported on these {hardware.accelerator} devices "
+            f"(hardware.supported_precisions: {supported})"
         )
     uses_nvme = OffloadDevice.NVME in (candidate.offload_optimizer, candidate.offload_param)
     if uses_nvme and hardware.nvme_path is None:

@@ -67,30 +67,36 @@ class Ledger:
     nvme_capacity_bytes: int | None
     """NVMe capacity per node; None = unchecked."""
 
-    def _at(self, location: Location, phase: Phase) -> list[LedgerItem]:
-        return [i for i in self.items if i.location is location and i.phase is phase]
+    def _at(self, location: Location | tuple[Location, ...], phase: Phase) -> list[LedgerItem]:
+        where = location if isinstance(location, tuple) else (location,)
+        return [i for i in self.items if i.location in where and i.phase is phase]
 
-    def _phase_bytes(self, location: Location, phase: Phase) -> int:
+    def _phase_bytes(self, location: Location | tuple[Location, ...], phase: Phase) -> int:
         return sum(i.bytes for i in self._at(location, phase))
 
-    def peak_phase_at(self, location: Location) -> Phase:
-        """The phase of ``location``'s peak: a transient phase (its items plus the always-live ones), or init."""
+    def peak_phase_at(self, location: Location | tuple[Location, ...]) -> Phase:
+        """The phase of the peak at ``location`` (or at several locations that share one memory)."""
         always = self._phase_bytes(location, Phase.ALWAYS)
         best = max(TRANSIENT_PHASES, key=lambda ph: (self._phase_bytes(location, ph), -TRANSIENT_PHASES.index(ph)))
         if self._phase_bytes(location, Phase.INIT) > always + self._phase_bytes(location, best):
             return Phase.INIT
         return best
 
-    def peak_items_at(self, location: Location) -> list[LedgerItem]:
-        """Items live at ``location``'s peak."""
+    def peak_items_at(self, location: Location | tuple[Location, ...]) -> list[LedgerItem]:
+        """Items live at the peak of ``location``."""
         phase = self.peak_phase_at(location)
         if phase is Phase.INIT:
             return self._at(location, Phase.INIT)
         return self._at(location, Phase.ALWAYS) + self._at(location, phase)
 
-    def peak_bytes_at(self, location: Location) -> int:
-        """Bytes one rank holds at ``location`` at its peak."""
+    def peak_bytes_at(self, location: Location | tuple[Location, ...]) -> int:
+        """Bytes one rank holds at the peak of ``location``."""
         return sum(i.bytes for i in self.peak_items_at(location))
+
+    @property
+    def host_locations(self) -> tuple[Location, ...]:
+        """What lives in host RAM: host items, and on CPU ranks the device items too (one memory, one peak)."""
+        return (Location.HOST, Location.GPU) if self.device_is_host else (Location.HOST,)
 
     @property
     def peak_phase(self) -> Phase:
@@ -128,11 +134,8 @@ class Ledger:
 
     @property
     def host_bytes(self) -> int:
-        """Host RAM one node needs: every rank's host peak (and, for CPU ranks, its device peak)."""
-        per_rank = self.peak_bytes_at(Location.HOST)
-        if self.device_is_host:
-            per_rank += self.peak_bytes_at(Location.GPU)
-        return self.ranks_per_node * per_rank
+        """Host RAM one node needs: every rank's host peak (CPU ranks: of host and device items together)."""
+        return self.ranks_per_node * self.peak_bytes_at(self.host_locations)
 
     @property
     def nvme_bytes(self) -> int:

@@ -26,11 +26,8 @@ def ledger_json(ledger: Ledger) -> dict[str, object]:
         needed=ledger.gpu_needed_bytes,
         capacity=ledger.gpu_capacity_bytes,
     )
-    host_items = ledger.peak_items_at(Location.HOST)
-    if ledger.device_is_host:  # CPU ranks: the device memory is host RAM
-        host_items = host_items + ledger.peak_items_at(Location.GPU)
-    per_host = _category_bytes(host_items, scale=ledger.ranks_per_node)
-    per_host.update(per_rank=ledger.peak_bytes_at(Location.HOST), ranks=ledger.ranks_per_node,
+    per_host = _category_bytes(ledger.peak_items_at(ledger.host_locations), scale=ledger.ranks_per_node)
+    per_host.update(per_rank=ledger.peak_bytes_at(ledger.host_locations), ranks=ledger.ranks_per_node,
                     includes_device=ledger.device_is_host, needed=ledger.host_bytes,
                     capacity=ledger.host_capacity_bytes)
     nvme = _category_bytes(ledger.peak_items_at(Location.NVME), scale=ledger.ranks_per_node)
@@ -128,11 +125,12 @@ def ledger_table(ledger: Ledger, *, study: str, psi: int) -> str:
     ):
         if not any(i.location is location for i in ledger.items):
             continue
-        phase = ledger.peak_phase_at(location)
+        where = ledger.host_locations if location is Location.HOST else location
+        phase = ledger.peak_phase_at(where)
         lines += ["", f"{title} — {ledger.ranks_per_node} rank(s) × the per-rank peak ({phase.value} phase)"]
-        lines += _rows([(i.name, i.formula, i.bytes) for i in ledger.peak_items_at(location)])
-        if location is Location.HOST and ledger.device_is_host:
-            lines.append("  + each rank's device peak above (CPU ranks: the device memory is host RAM)")
+        if where != location:
+            lines.append("  (CPU ranks: device and host items share host RAM, so they peak together)")
+        lines += _rows([(i.name, i.formula, i.bytes) for i in ledger.peak_items_at(where)])
         cap_text = "?" if capacity is None else f"{capacity / GB:.2f} GB"
         lines.append(f"  needed {total / GB:.3f} GB of {cap_text}: {_fit_word(fits)}")
         lines += _other_phases(ledger, location)

@@ -19,6 +19,17 @@ from optimizer.knobs import (
 )
 
 
+def _coerce_enums(spec: object, **kinds: type[StrEnum]) -> None:
+    """Turn plain strings into the field's enum (frozen dataclass), or raise naming the field."""
+    for name, kind in kinds.items():
+        value = getattr(spec, name)
+        try:
+            object.__setattr__(spec, name, kind(value))
+        except ValueError:
+            allowed = ", ".join(member.value for member in kind)
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None
+
+
 class Accelerator(StrEnum):
     """The device the ranks train on: CUDA GPUs, or CPU ranks (``DS_ACCELERATOR=cpu``)."""
 
@@ -86,6 +97,7 @@ class SeedModel:
     """Working buffers per GPU (communication, framework, workspace), stated, constant."""
 
     def __post_init__(self) -> None:
+        _coerce_enums(self, activation_precision=Precision)
         if self.parameters < 1:
             raise ValueError(f"parameters must be >= 1, got {self.parameters}")
         if "none" not in self.activation_bytes:
@@ -128,8 +140,12 @@ class TransformerModel:
     """Dropout layers are present, so 1-byte masks are kept for backward."""
     max_positions: int = 1024
     """Rows of the learned position table (the study's sequence length unless given)."""
+    entry_point: str | None = None
+    """``module:function`` building the user's own model for trials (see launchers/workload.py); the ledger
+    still uses the shape above."""
 
     def __post_init__(self) -> None:
+        _coerce_enums(self, attention=AttentionKind, mlp=MlpKind, norm=NormKind, position_embedding=PositionKind)
         for name in ("layers", "hidden_size", "heads", "kv_heads", "ffn_size", "vocab_size", "max_positions"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -174,6 +190,8 @@ class HardwareSpec:
     """Precisions the device can train in (CPU ranks refuse fp16 in DeepSpeed)."""
 
     def __post_init__(self) -> None:
+        _coerce_enums(self, accelerator=Accelerator)
+        object.__setattr__(self, "supported_precisions", tuple(Precision(p) for p in self.supported_precisions))
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ValueError("nodes and gpus_per_node must be >= 1")
         if not 0.0 <= self.allocator_overhead < 1.0:
@@ -205,6 +223,7 @@ class TrainingSpec:
     """Adam's (decoupled for AdamW) weight decay."""
 
     def __post_init__(self) -> None:
+        _coerce_enums(self, optimizer=Optimizer)
         for name in ("global_batch_size", "micro_batch_size", "sequence_length"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -226,3 +245,33 @@ def baseline_candidate(training: TrainingSpec) -> Candidate:
         checkpointing=NoCheckpointing(),
         micro_batch_size=training.micro_batch_size,
     )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrialSettings:
+    """How a short real trial runs and is judged (the study file's optional ``trial`` section)."""
+
+    warmup_steps: int = 2
+    """Optimizer steps before timing; the CPU live-tensor peak is recorded over these (≥ 2 so that the
+    optimizer states exist during a backward pass)."""
+    measured_steps: int = 3
+    """Timed optimizer steps."""
+    timeout_s: float = 300.0
+    """Wall-clock limit of one launch; past it the whole process group is killed (outcome ``timeout``)."""
+    seed: int = 0
+    """Seed of the model initialisation and the synthetic data: every trial sees the same batches."""
+    fidelity_tolerance: tuple[tuple[Precision, float], ...] = (
+        (Precision.FP32, 1e-4), (Precision.BF16, 2e-2), (Precision.FP16, 5e-2))
+    """Largest accepted relative loss deviation from the FP32 reference, per precision. fp32: ZeRO 1–3 only
+    reorder reductions (measured ≤ 1e-7 on cpu-tiny); bf16: 8-bit mantissa (measured 3.3e-3 over 5 steps
+    on cpu-tiny, tolerance ≈ 6×); fp16: dynamic loss scaling may skip early overflowing steps."""
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 2 or self.measured_steps < 1:
+            raise ValueError("warmup_steps must be >= 2 and measured_steps >= 1")
+        if not self.timeout_s > 0:
+            raise ValueError("timeout_s must be > 0")
+
+    def tolerance(self, precision: Precision) -> float:
+        """The fidelity tolerance for ``precision``."""
+        return dict(self.fidelity_tolerance)[precision]

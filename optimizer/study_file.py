@@ -38,6 +38,7 @@ from optimizer.specs import (
     SeedModel,
     TrainingSpec,
     TransformerModel,
+    TrialSettings,
 )
 from optimizer.units import parse_bytes, parse_count
 
@@ -61,6 +62,13 @@ class StudySpec:
     """Batch, sequence length, optimizer."""
     search_space: SearchSpace
     """The knobs' allowed values."""
+    trial: TrialSettings
+    """How real trials run and are judged."""
+
+    @property
+    def output_dir(self) -> Path:
+        """Where the study's outputs go: ``studies/<name>/`` beside the study file (git-ignored)."""
+        return self.path.parent / self.name
 
 
 class _Section:
@@ -122,6 +130,14 @@ def _name(value: Any) -> str:
     text = _text(value)
     if not text or not all(ch.isalnum() or ch in "-_." for ch in text) or text.startswith("."):
         raise ValueError(f"a study name may hold letters, digits, '-', '_' and '.', got {value!r}")
+    return text
+
+
+def _entry_point(value: Any) -> str:
+    text = _text(value)
+    module, sep, function = text.partition(":")
+    if not sep or not module or not function:
+        raise ValueError(f"expected 'module:function', got {value!r}")
     return text
 
 
@@ -192,6 +208,7 @@ def _parse_model(section: _Section, *, sequence_length: int) -> ModelSpec:
                 position_embedding=section.get("position_embedding", _enum(PositionKind), PositionKind.LEARNED),
                 dropout=section.get("dropout", _bool, True),
                 max_positions=section.get("max_positions", _positive_int, sequence_length),
+                entry_point=section.get("entry_point", _entry_point, None),
             )
     except ValueError as err:
         raise _spec_error(section, err) from None
@@ -262,6 +279,35 @@ def _parse_training(section: _Section) -> TrainingSpec:
     return training
 
 
+def _tolerances(value: Any) -> tuple[tuple[Precision, float], ...]:
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError("expected a mapping of precision -> relative tolerance, e.g. {fp32: 1e-4, bf16: 5e-2}")
+    table = dict(TrialSettings().fidelity_tolerance)
+    for key, tolerance in value.items():
+        precision = _enum(Precision)(key)
+        number = _fraction(tolerance)
+        if not number > 0:
+            raise ValueError(f"{key}: a tolerance must be > 0, got {tolerance!r}")
+        table[precision] = number
+    return tuple(table.items())
+
+
+def _parse_trial(section: _Section) -> TrialSettings:
+    defaults = TrialSettings()
+    try:
+        trial = TrialSettings(
+            warmup_steps=section.get("warmup_steps", _positive_int, defaults.warmup_steps),
+            measured_steps=section.get("measured_steps", _positive_int, defaults.measured_steps),
+            timeout_s=section.get("timeout_s", _fraction, defaults.timeout_s),
+            seed=section.get("seed", parse_count, defaults.seed),
+            fidelity_tolerance=section.get("fidelity_tolerance", _tolerances, defaults.fidelity_tolerance),
+        )
+    except ValueError as err:
+        raise _spec_error(section, err) from None
+    section.finish()
+    return trial
+
+
 def _read_yaml(path: Path, *, what: str) -> object:
     try:
         text = path.read_text(encoding="utf-8")
@@ -308,6 +354,7 @@ def load_study(path: str | Path) -> StudySpec:
     )
     hardware = _parse_hardware(_Section(top.get("hardware", lambda v: v), source=source, key="hardware"))
     space = _parse_space_ref(top.get("search_space", lambda v: v), study_path=study_path)
+    trial = _parse_trial(_Section(top.get("trial", lambda v: v, {}), source=source, key="trial"))
     top.finish()
     per_step = training.micro_batch_size * hardware.world_size
     if training.global_batch_size % per_step:
@@ -315,4 +362,4 @@ def load_study(path: str | Path) -> StudySpec:
                         why=f"the baseline micro-batch {training.micro_batch_size} x {hardware.world_size} ranks = "
                             f"{per_step} does not divide global_batch_size={training.global_batch_size}")
     return StudySpec(name=name, path=study_path, model=model, hardware=hardware, training=training,
-                     search_space=space)
+                     search_space=space, trial=trial)

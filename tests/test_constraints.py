@@ -49,7 +49,7 @@ def test_invalid_combinations_say_why(knobs, why):
 
 
 def test_fp16_on_cpu_ranks_is_invalid_but_bf16_is_fine():
-    assert any("fp16 is not supported on cpu" in r for r in reasons(hardware=CPU, precision="fp16"))
+    assert any("fp16 is not supported on these cpu devices" in r for r in reasons(hardware=CPU, precision="fp16"))
     assert reasons(hardware=CPU, precision="bf16") == ()
     assert reasons(precision="fp16") == ()
 

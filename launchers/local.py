@@ -1,0 +1,160 @@
+"""Start the ranks of one trial on this node: a pure launch plan, then one ``Popen`` in its own process group.
+
+Build, then execute (accelerate's ``prepare_deepspeed_cmd_env`` → one ``Popen``): :func:`build_launch_plan`
+is a pure function of its inputs and is snapshot-tested; :func:`execute` is the only place that starts
+the process. Ranks are started by PyTorch's elastic launcher, ``python -m torch.distributed.run`` (torchrun):
+on one node it needs no hostfile, pdsh or ssh, and when one rank fails it tears the others down. With no
+GPU the ranks are CPU ranks: ``DS_ACCELERATOR=cpu`` (DeepSpeed's CPU accelerator, gloo collectives).
+
+torchrun starts each rank in a session of its own, so a process group alone cannot reach them. Every
+process of a launch therefore carries ``DSOPT_LAUNCH_ID`` in its environment; when the launch times out or
+ends, :func:`execute` finds every process still carrying that id (``/proc/*/environ``) and stops it —
+SIGTERM, a grace period, then SIGKILL — so no rank is ever left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+TERM_GRACE_S = 5.0
+"""Seconds between SIGTERM and SIGKILL when a launch is stopped."""
+LAUNCH_ID_VAR = "DSOPT_LAUNCH_ID"
+"""Environment variable every process of one launch inherits."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchPlan:
+    """Everything needed to start the ranks: argv, environment, working directory."""
+
+    argv: tuple[str, ...]
+    """The launcher command line."""
+    env: dict[str, str]
+    """The complete environment of the launcher process."""
+    cwd: str
+    """Working directory."""
+
+
+def build_launch_plan(
+    *,
+    python: str,
+    ranks: int,
+    cpu_ranks: bool,
+    master_port: int,
+    plan_path: Path,
+    out_dir: Path,
+    base_env: Mapping[str, str],
+    pythonpath: Sequence[str],
+    cwd: Path,
+    cpu_count: int,
+    launch_id: str,
+) -> LaunchPlan:
+    """The launch plan for ``ranks`` local ranks running ``launchers.trial_rank`` (pure)."""
+    argv = (
+        python, "-m", "torch.distributed.run",
+        "--nnodes", "1", "--nproc_per_node", str(ranks),
+        "--master_addr", "127.0.0.1", "--master_port", str(master_port),
+        "-m", "launchers.trial_rank", str(plan_path), str(out_dir),
+    )
+    env = dict(base_env)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    env["OMP_NUM_THREADS"] = str(max(1, cpu_count // ranks))
+    env["TORCHELASTIC_ERROR_FILE"] = str(out_dir / "elastic_error.json")
+    env[LAUNCH_ID_VAR] = launch_id
+    if cpu_ranks:
+        env["DS_ACCELERATOR"] = "cpu"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return LaunchPlan(argv=argv, env=env, cwd=str(cwd))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Execution:
+    """How the launch ended."""
+
+    returncode: int | None
+    """The launcher's exit status (None when killed on timeout)."""
+    timed_out: bool
+    """Killed because it ran past the timeout."""
+    wall_s: float
+    """Wall time (s)."""
+    leftover_killed: bool
+    """Processes of the group were still alive after the launcher ended and were killed."""
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def marked_processes(launch_id: str) -> list[int]:
+    """PIDs of live processes whose environment carries ``DSOPT_LAUNCH_ID=launch_id`` (Linux ``/proc``)."""
+    needle = f"{LAUNCH_ID_VAR}={launch_id}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+def stop_launch(launch_id: str, *, grace_s: float = TERM_GRACE_S) -> int:
+    """SIGTERM every process of the launch, SIGKILL what is left after ``grace_s``; returns how many."""
+    pids = marked_processes(launch_id)
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.05)
+            pids = marked_processes(launch_id)
+        if not pids:
+            break
+    return len(pids)
+
+
+def execute(plan: LaunchPlan, *, timeout_s: float, log_path: Path) -> Execution:
+    """Run the plan, logging to ``log_path``; stop it at ``timeout_s``; leave no process of it behind."""
+    launch_id = plan.env[LAUNCH_ID_VAR]
+    start = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(plan.argv, env=plan.env, cwd=plan.cwd, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        timed_out = False
+        try:
+            returncode: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            stop_launch(launch_id)
+            proc.wait()
+            returncode = None
+    leftover = bool(marked_processes(launch_id))
+    if leftover:
+        stop_launch(launch_id, grace_s=1.0)
+    return Execution(returncode=returncode, timed_out=timed_out, wall_s=time.monotonic() - start,
+                     leftover_killed=leftover)
+
+
+def log_tail(log_path: Path, *, limit: int = 4000) -> str:
+    """The last ``limit`` characters of the log."""
+    try:
+        data = log_path.read_bytes()
+    except FileNotFoundError:
+        return ""
+    return data[-limit:].decode("utf-8", errors="replace")

@@ -1,0 +1,171 @@
+"""One candidate in, one classified and measured :class:`~optimizer.trial_result.TrialResult` out.
+
+Writes everything a trial used and produced under its folder (``studies/<name>/trials/<candidate>/``):
+``ds_config.json`` (the builder's output, as launched), ``plan.json`` (what the ranks were told),
+``log.txt`` (the launcher's and ranks' output), ``rank<r>.json`` (each rank's report) and
+``result.json``. Loss fidelity compares against the study's FP32 reference run — the baseline
+candidate (ZeRO 0, fp32, no checkpointing, the study's micro-batch) on the same global batch and data —
+run once and cached in ``studies/<name>/reference.json`` under a key of everything that determines it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from launchers.local import build_launch_plan, execute, free_port, log_tail
+from optimizer import __version__
+from optimizer.constraints import invalid_reasons
+from optimizer.ds_config import build_ds_config
+from optimizer.errors import UserError
+from optimizer.knobs import Candidate
+from optimizer.specs import Accelerator, TransformerModel, baseline_candidate
+from optimizer.study_file import StudySpec
+from optimizer.trial_result import Outcome, TrialResult, summarize
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+
+
+class ReferenceFailed(RuntimeError):
+    """The FP32 reference run did not complete, so no fidelity can be computed."""
+
+    def __init__(self, result: TrialResult) -> None:
+        self.result = result
+        super().__init__(f"the FP32 reference run ended with '{result.outcome}': {result.message}")
+
+
+def candidate_slug(candidate: Candidate) -> str:
+    """A folder name for the candidate, e.g. ``z2-bf16-full-mbs4-optcpu``."""
+    k = candidate.knobs()
+    parts = [f"z{k['zero_stage']}", str(k["precision"]), str(k["checkpointing"]), f"mbs{k['micro_batch_size']}"]
+    if k["offload_optimizer"] != "none":
+        parts.append(f"opt{k['offload_optimizer']}")
+    if k["offload_param"] != "none":
+        parts.append(f"param{k['offload_param']}")
+    return "-".join(parts)
+
+
+def _model_dict(model: TransformerModel) -> dict[str, Any]:
+    return {f.name: (str(v) if hasattr(v, "value") else v)
+            for f in dataclasses.fields(model) for v in [getattr(model, f.name)]}
+
+
+def trial_dir_for(study: StudySpec, candidate: Candidate) -> Path:
+    """``studies/<name>/trials/<candidate>/``."""
+    return study.output_dir / "trials" / candidate_slug(candidate)
+
+
+def check_devices(study: StudySpec) -> None:
+    """Refuse (UserError) a study whose ranks this machine cannot provide."""
+    if study.hardware.accelerator is Accelerator.CPU:
+        return
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible < study.hardware.gpus_per_node:
+        raise UserError(source=str(study.path), key="hardware.gpus_per_node",
+                        why=f"the study asks for {study.hardware.gpus_per_node} CUDA device(s) per node; this "
+                            f"machine has {visible} (use accelerator: cpu for CPU ranks)")
+
+
+def rank_plan(*, study: StudySpec, candidate: Candidate) -> dict[str, Any]:
+    """What every rank is told: the DeepSpeed config, the model, the data and the step counts (pure)."""
+    assert isinstance(study.model, TransformerModel)
+    return {
+        "config": build_ds_config(candidate=candidate, model=study.model, hardware=study.hardware,
+                                  training=study.training),
+        "model": _model_dict(study.model),
+        "entry_point": study.model.entry_point,
+        "checkpointing": str(candidate.checkpointing),
+        "sequence_length": study.training.sequence_length,
+        "seed": study.trial.seed,
+        "warmup_steps": study.trial.warmup_steps,
+        "measured_steps": study.trial.measured_steps,
+    }
+
+
+def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None = None,
+              reference_losses: list[float] | None = None) -> TrialResult:
+    """Run ``candidate`` for real on this node's devices (CPU ranks when the study says ``cpu``)."""
+    reasons = invalid_reasons(candidate=candidate, model=study.model, hardware=study.hardware,
+                              training=study.training)
+    if reasons:
+        return TrialResult(outcome=Outcome.INVALID, message="; ".join(reasons))
+    if not isinstance(study.model, TransformerModel):
+        return TrialResult(outcome=Outcome.INVALID, message="a seed-mode model has no shape to run")
+    if study.hardware.nodes != 1:
+        return TrialResult(outcome=Outcome.INVALID, message="multi-node trials are not supported by the local "
+                           "launcher (they come with the cluster launcher)")
+    trial_dir = trial_dir or trial_dir_for(study, candidate)
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    for stale in trial_dir.glob("rank*.json"):
+        stale.unlink()
+    plan = rank_plan(study=study, candidate=candidate)
+    (trial_dir / "ds_config.json").write_text(json.dumps(plan["config"], indent=2) + "\n")
+    (trial_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
+    ranks = study.hardware.gpus_per_node
+    launch = build_launch_plan(
+        python=sys.executable, ranks=ranks, cpu_ranks=study.hardware.accelerator is Accelerator.CPU,
+        master_port=free_port(), plan_path=trial_dir / "plan.json", out_dir=trial_dir, base_env=os.environ,
+        pythonpath=[str(PACKAGE_ROOT), str(study.path.parent.resolve())], cwd=PACKAGE_ROOT,
+        cpu_count=os.cpu_count() or 1, launch_id=uuid.uuid4().hex,
+    )
+    log_path = trial_dir / "log.txt"
+    run = execute(launch, timeout_s=study.trial.timeout_s, log_path=log_path)
+    reports = {}
+    for rank in range(ranks):
+        path = trial_dir / f"rank{rank}.json"
+        if path.exists():
+            reports[rank] = json.loads(path.read_text())
+    result = summarize(
+        rank_reports=reports, world_size=ranks, returncode=run.returncode, timed_out=run.timed_out,
+        tokens_per_step=study.training.global_batch_size * study.training.sequence_length,
+        reference_losses=reference_losses, log_tail=log_tail(log_path), wall_s=run.wall_s,
+    )
+    if result.outcome is Outcome.OK:
+        result = dataclasses.replace(result, log_tail="")
+    (trial_dir / "result.json").write_text(json.dumps(result_json(result), indent=2) + "\n")
+    return result
+
+
+def result_json(result: TrialResult) -> dict[str, Any]:
+    """The result as JSON-ready data (integers for bytes)."""
+    data = dataclasses.asdict(result)
+    data["outcome"] = result.outcome.value
+    data["peak_memory_bytes"] = result.peak_memory_bytes
+    data["peak_reserved_bytes"] = result.peak_reserved_bytes
+    data["peak_rss_bytes"] = result.peak_rss_bytes
+    return data
+
+
+def reference_key(study: StudySpec) -> str:
+    """Everything that determines the reference losses, hashed."""
+    plan = rank_plan(study=study, candidate=baseline_candidate(study.training))
+    payload = {"plan": plan, "ranks": study.hardware.gpus_per_node, "accelerator": str(study.hardware.accelerator),
+               "dsopt": __version__}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def reference_losses(study: StudySpec) -> list[float]:
+    """The FP32 reference losses, from the study's cache or from one baseline run (then cached)."""
+    cache = study.output_dir / "reference.json"
+    key = reference_key(study)
+    if cache.exists():
+        data = json.loads(cache.read_text())
+        if data.get("key") == key:
+            return list(data["losses"])
+    result = run_trial(study=study, candidate=baseline_candidate(study.training),
+                       trial_dir=study.output_dir / "reference")
+    if result.outcome is not Outcome.OK:
+        raise ReferenceFailed(result)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"key": key, "losses": list(result.losses)}, indent=2) + "\n")
+    tmp.replace(cache)
+    return list(result.losses)

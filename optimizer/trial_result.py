@@ -1,0 +1,146 @@
+"""Typed trial results and the pure arithmetic on them: outcome, aggregation over ranks, loss fidelity.
+
+A trial's four results are the seed's: per-card peak memory (allocated and reserved), step time and
+throughput, loss and gradient sanity, and agreement with an FP32 baseline (loss fidelity). A failing
+trial is data: it carries its :class:`Outcome` and the tail of its log.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class Outcome(StrEnum):
+    """How a trial ended."""
+
+    OK = "ok"
+    OOM = "oom"
+    NAN = "nan"
+    UNSUPPORTED = "unsupported"
+    TIMEOUT = "timeout"
+    CRASH = "crash"
+    INVALID = "invalid"
+
+
+# When ranks disagree, the most specific failure wins: an OOM on one rank is the cause of the
+# others being torn down (they then report nothing, or a crash).
+_PRIORITY = (Outcome.OOM, Outcome.UNSUPPORTED, Outcome.NAN, Outcome.CRASH)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankMeasurement:
+    """What one rank measured."""
+
+    rank: int
+    """Global rank."""
+    peak_allocated_bytes: int | None
+    """CUDA ``max_memory_allocated``; CPU ranks: the live-tensor peak from the profiler."""
+    peak_reserved_bytes: int | None
+    """CUDA ``max_memory_reserved``; None on CPU ranks (no caching allocator)."""
+    peak_rss_bytes: int
+    """The process's peak resident set size."""
+    step_times_s: tuple[float, ...]
+    """Wall time of each measured optimizer step."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrialResult:
+    """One candidate, run for real: the outcome and, when ok, the measurements."""
+
+    outcome: Outcome
+    """How it ended."""
+    ranks: tuple[RankMeasurement, ...] = ()
+    """Per-rank measurements (ok trials)."""
+    losses: tuple[float, ...] = ()
+    """Loss of every optimizer step (warm-up included), mean over ranks and micro-batches."""
+    grad_norms: tuple[float | None, ...] = ()
+    """Global gradient norm after every step (None where DeepSpeed reports none)."""
+    step_time_s: float | None = None
+    """Median over measured steps of the slowest rank's step time (s)."""
+    tokens_per_s: float | None = None
+    """Global batch × sequence length / step time."""
+    loss_fidelity: float | None = None
+    """Largest relative deviation of the per-step losses from the FP32 reference (None: no reference)."""
+    message: str = ""
+    """For failures: what went wrong (exception type and text, or the launcher's reason)."""
+    log_tail: str = ""
+    """For failures: the end of the combined log."""
+    wall_s: float = 0.0
+    """Wall time of the whole launch (s)."""
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        """Max over ranks of the peak allocated (CPU: live-tensor) bytes."""
+        values = [r.peak_allocated_bytes for r in self.ranks if r.peak_allocated_bytes is not None]
+        return max(values) if values else None
+
+    @property
+    def peak_reserved_bytes(self) -> int | None:
+        """Max over ranks of the CUDA reserved peak (None on CPU ranks)."""
+        values = [r.peak_reserved_bytes for r in self.ranks if r.peak_reserved_bytes is not None]
+        return max(values) if values else None
+
+    @property
+    def peak_rss_bytes(self) -> int | None:
+        """Max over ranks of the process peak RSS."""
+        return max((r.peak_rss_bytes for r in self.ranks), default=None)
+
+
+def loss_fidelity(losses: Sequence[float], reference: Sequence[float]) -> float:
+    """max_i |loss_i − ref_i| / |ref_i| over the steps both ran (the same batches, by construction)."""
+    if not losses or len(losses) != len(reference):
+        raise ValueError(f"cannot compare {len(losses)} losses with {len(reference)} reference losses")
+    return max(abs(a - b) / abs(b) if b else abs(a - b) for a, b in zip(losses, reference, strict=True))
+
+
+def summarize(
+    *,
+    rank_reports: Mapping[int, Mapping[str, Any]],
+    world_size: int,
+    returncode: int | None,
+    timed_out: bool,
+    tokens_per_step: int,
+    reference_losses: Sequence[float] | None,
+    log_tail: str,
+    wall_s: float,
+) -> TrialResult:
+    """Turn the ranks' reports and the launcher's exit into one :class:`TrialResult`.
+
+    ``rank_reports`` maps rank → the JSON each rank wrote (missing ranks wrote nothing, e.g. killed).
+    """
+    statuses = {report.get("status") for report in rank_reports.values()}
+    failures = [o for o in _PRIORITY if o.value in statuses]
+    if failures:
+        worst = failures[0]
+        report = next(r for r in rank_reports.values() if r.get("status") == worst.value)
+        return TrialResult(outcome=worst, message=f"rank {report.get('rank')}: {report.get('error_type')}: "
+                           f"{report.get('message', '')}", log_tail=log_tail, wall_s=wall_s)
+    if timed_out:
+        return TrialResult(outcome=Outcome.TIMEOUT, message="the launch ran past its timeout and was killed",
+                           log_tail=log_tail, wall_s=wall_s)
+    if returncode != 0 or len(rank_reports) != world_size or statuses != {"ok"}:
+        missing = sorted(set(range(world_size)) - set(rank_reports))
+        return TrialResult(outcome=Outcome.CRASH, log_tail=log_tail, wall_s=wall_s,
+                           message=f"launcher exit code {returncode}; ranks without a report: {missing}")
+    ranks = tuple(
+        RankMeasurement(rank=r, peak_allocated_bytes=rep["peak_allocated_bytes"],
+                        peak_reserved_bytes=rep["peak_reserved_bytes"], peak_rss_bytes=rep["peak_rss_bytes"],
+                        step_times_s=tuple(rep["step_times_s"]))
+        for r, rep in sorted(rank_reports.items())
+    )
+    losses = tuple(rank_reports[0]["losses"])
+    per_step = [max(times) for times in zip(*(r.step_times_s for r in ranks), strict=True)]
+    step_time = statistics.median(per_step) if per_step else None
+    fidelity = None if reference_losses is None else loss_fidelity(losses, reference_losses)
+    if not all(math.isfinite(x) for x in losses):  # the ranks raise first; kept as a guard
+        return TrialResult(outcome=Outcome.NAN, losses=losses, message="non-finite loss", wall_s=wall_s)
+    return TrialResult(
+        outcome=Outcome.OK, ranks=ranks, losses=losses, grad_norms=tuple(rank_reports[0]["grad_norms"]),
+        step_time_s=step_time, tokens_per_s=(tokens_per_step / step_time) if step_time else None,
+        loss_fidelity=fidelity, wall_s=wall_s,
+    )

@@ -1,0 +1,75 @@
+"""Entry-point workloads that fail on purpose, for the fault tests (``model.entry_point: faulty_workloads:X``).
+
+Each wraps the built-in GPT and data and fails at optimizer step 2 (after warm-up has started), in one way:
+a NaN loss, a hang on rank 0, rank 1 killed by SIGKILL, or an allocation no machine can satisfy.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+from launchers.workload import build_workload
+
+FAIL_AT_STEP = 2
+
+
+def _base(spec, sequence_length, seed, checkpointing):
+    return build_workload(model_spec=spec, checkpointing=checkpointing, sequence_length=sequence_length, seed=seed,
+                          entry_point=None)
+
+
+class _NanAfter(torch.nn.Module):
+    """The wrapped model's loss, turned NaN from the ``after``-th forward call on."""
+
+    def __init__(self, inner: torch.nn.Module, *, after: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.after = after
+        self.calls = 0
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        loss = self.inner(batch)
+        return loss * float("nan") if self.calls >= self.after else loss
+
+
+def nan_workload(spec, sequence_length, seed, checkpointing):
+    model, data = _base(spec, sequence_length, seed, checkpointing)
+    return _NanAfter(model, after=3), data
+
+
+def hang_workload(spec, sequence_length, seed, checkpointing):
+    model, data = _base(spec, sequence_length, seed, checkpointing)
+
+    def batch_fn(step, indices):
+        if step == FAIL_AT_STEP and int(os.environ.get("RANK", "0")) == 0:
+            time.sleep(3600)
+        return data(step, indices)
+
+    return model, batch_fn
+
+
+def crash_workload(spec, sequence_length, seed, checkpointing):
+    model, data = _base(spec, sequence_length, seed, checkpointing)
+
+    def batch_fn(step, indices):
+        if step == FAIL_AT_STEP and int(os.environ.get("RANK", "0")) == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return data(step, indices)
+
+    return model, batch_fn
+
+
+def oom_workload(spec, sequence_length, seed, checkpointing):
+    model, data = _base(spec, sequence_length, seed, checkpointing)
+
+    def batch_fn(step, indices):
+        if step == FAIL_AT_STEP:
+            torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: the CPU allocator refuses
+        return data(step, indices)
+
+    return model, batch_fn
