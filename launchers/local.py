@@ -144,6 +144,10 @@ def execute(plan: LaunchPlan, *, timeout_s: float, log_path: Path) -> Execution:
             stop_launch(launch_id)
             proc.wait()
             returncode = None
+        except BaseException:  # KeyboardInterrupt (SIGINT) or any other exit: take the ranks down too
+            stop_launch(launch_id, grace_s=2.0)
+            proc.wait()
+            raise
     leftover = bool(marked_processes(launch_id))
     if leftover:
         stop_launch(launch_id, grace_s=1.0)

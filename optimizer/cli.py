@@ -16,6 +16,7 @@ from optimizer.errors import EXIT_USER_ERROR, UserError
 from optimizer.knobs import KNOB_NAMES, Candidate, parse_knob
 from optimizer.ledger import evaluate
 from optimizer.ledger_report import all_json, all_table, ledger_json, ledger_table
+from optimizer.search import redact
 from optimizer.specs import SeedModel, baseline_candidate
 from optimizer.study_file import StudySpec, load_study
 from optimizer.transformer import parameter_count
@@ -102,6 +103,29 @@ def _trial(args: argparse.Namespace) -> int:
     return 0 if result.outcome is Outcome.OK else 1
 
 
+def _study_run(args: argparse.Namespace) -> int:
+    from launchers.study_run import counts, default_storage, run_study
+    from launchers.trial import check_devices
+
+    study = load_study(args.study)
+    if isinstance(study.model, SeedModel):
+        raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to run; "
+                        "studies need model.kind: transformer")
+    check_devices(study)
+    storage = args.storage or default_storage(study)
+    try:
+        result = run_study(spec=study, storage=storage, n_trials=args.n_trials, timeout_s=args.timeout)
+    except KeyboardInterrupt:
+        print("dsopt: interrupted; the running trial is recorded as failed — run the same command to continue",
+              file=sys.stderr)
+        return 130
+    c = counts(result)
+    print(f"study {study.name}: {c['measured']} measured, {c['reused']} reused, {c['pruned']} pruned by the "
+          f"ledger, {c['failed']} failed; feasible Pareto front: {len(result.best_trials)} trial(s)")
+    print(f"storage: {redact(storage)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsopt", description="Search-based optimizer for DeepSpeed configurations.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -118,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="set a knob (repeatable); others take the baseline")
     trial.add_argument("--json", action="store_true", help="print one JSON object")
     trial.set_defaults(run=_trial)
+    study = sub.add_parser("study", help="Optuna studies")
+    study_sub = study.add_subparsers(dest="study_command", required=True)
+    study_run = study_sub.add_parser("run", help="create or resume a study and run trials")
+    study_run.add_argument("study", help="study file")
+    study_run.add_argument("--n-trials", type=int, default=None, help="trials to run in this invocation")
+    study_run.add_argument("--timeout", type=float, default=None, help="stop starting trials after S seconds")
+    study_run.add_argument("--storage", default=None,
+                           help="Optuna storage URL (default: sqlite file under studies/NAME/)")
+    study_run.set_defaults(run=_study_run)
     return parser
 
 

@@ -29,7 +29,7 @@ from optimizer.ledger_items import TRANSIENT_PHASES, Category, LedgerItem, Locat
 from optimizer.model_states import transformer_items
 from optimizer.seed_ledger import seed_items
 from optimizer.specs import Accelerator, HardwareSpec, ModelSpec, SeedModel, TrainingSpec
-from optimizer.units import format_gb
+from optimizer.units import format_size
 
 __all__ = [
     "Category",
@@ -164,13 +164,13 @@ class Ledger:
         return self.fits_gpu and self.fits_host is not False and self.fits_nvme is not False
 
     def verdict_reasons(self) -> tuple[str, ...]:
-        """Why it does not fit (empty when it fits), in GB (10^9 bytes)."""
+        """Why it does not fit (empty when it fits), in decimal units (GB = 10^9 bytes)."""
         checks = (
             ("GPU", self.fits_gpu, self.gpu_needed_bytes, self.gpu_capacity_bytes),
             ("host", self.fits_host, self.host_bytes, self.host_capacity_bytes),
             ("NVMe", self.fits_nvme, self.nvme_bytes, self.nvme_capacity_bytes),
         )
-        return tuple(f"{where} needs {format_gb(needed)} of {format_gb(capacity or 0)}"
+        return tuple(f"{where} needs {format_size(needed)} of {format_size(capacity or 0)}"
                      for where, fits, needed, capacity in checks if fits is False)
 
 

@@ -158,9 +158,11 @@ def counts(verdicts: Sequence[Verdict]) -> dict[str, int]:
 def all_table(verdicts: Sequence[Verdict], *, study: str) -> str:
     """``--all``: every candidate, sorted (fitting by needed memory, then the rest, then invalid)."""
     ordered = sorted(verdicts, key=_sort_key)
-    lines = [f"study {study} · {len(verdicts)} candidates · GB = 10^9 bytes (per GPU: needed = reserved peak "
-             "+ device reserve)", "",
-             f"  {'verdict':<13} {'GPU needed GB':>13} {'host GB':>9} {'nvme GB':>9}  candidate"]
+    largest = max((v.ledger.gpu_needed_bytes for v in verdicts if v.ledger is not None), default=0)
+    unit, scale = ("GB", GB) if largest >= GB / 10 else ("MB", 10**6)
+    lines = [f"study {study} · {len(verdicts)} candidates · {unit} = {scale:.0e} bytes (per GPU: needed = reserved "
+             "peak + device reserve)".replace("1e+09", "10^9").replace("1e+06", "10^6"), "",
+             f"  {'verdict':<13} {'GPU needed ' + unit:>13} {'host ' + unit:>9} {'nvme ' + unit:>9}  candidate"]
     for v in ordered:
         if v.ledger is None:
             lines.append(f"  {'invalid':<13} {'-':>13} {'-':>9} {'-':>9}  {v.candidate.label()}: "
@@ -168,8 +170,8 @@ def all_table(verdicts: Sequence[Verdict], *, study: str) -> str:
             continue
         led = v.ledger
         word = "fits" if led.fits else "does not fit"
-        lines.append(f"  {word:<13} {led.gpu_needed_bytes / GB:>13.2f} {led.host_bytes / GB:>9.2f} "
-                     f"{led.nvme_bytes / GB:>9.2f}  {v.candidate.label()}")
+        lines.append(f"  {word:<13} {led.gpu_needed_bytes / scale:>13.2f} {led.host_bytes / scale:>9.2f} "
+                     f"{led.nvme_bytes / scale:>9.2f}  {v.candidate.label()}")
     c = counts(verdicts)
     lines += ["", f"{c['valid']} valid ({c['fits']} fit, {c['does_not_fit']} do not fit), {c['invalid']} invalid, "
               f"{c['total']} in all"]

@@ -88,3 +88,11 @@ def format_gb(num_bytes: int, *, digits: int = 2) -> str:
 def format_gib(num_bytes: int, *, digits: int = 2) -> str:
     """``num_bytes`` in binary gibibytes (2^30), e.g. ``'24.21 GiB'``."""
     return f"{num_bytes / GiB:.{digits}f} GiB"
+
+
+def format_size(num_bytes: int) -> str:
+    """Decimal units sized to the figure: ``'26.00 GB'``, ``'3.38 MB'``, ``'512.00 kB'`` (10^9, 10^6, 10^3)."""
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if abs(num_bytes) >= scale / 10:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes} B"

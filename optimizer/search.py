@@ -1,0 +1,243 @@
+"""The study: Optuna multi-objective search with ledger pruning, reuse and an FP32 fidelity constraint.
+
+Objectives: minimise the measured per-rank peak memory (bytes), maximise throughput (tokens/s). Each
+sampled candidate goes through the ledger first; an invalid or predicted-not-to-fit candidate is never
+launched — it is recorded as PRUNED with the ledger's breakdown and reason in the trial's user attributes.
+A candidate already measured in the study is not launched again: its values are reused. Loss fidelity
+is a constraint (``trial.set_constraint``, ≤ 0 feasible: fidelity − tolerance of the precision). A trial
+that ends in ``oom``/``nan``/``crash``/``timeout``/``unsupported`` is recorded as FAIL with its outcome, so it
+never reaches the front (``study.best_trials`` is Optuna's feasible Pareto front).
+
+The search space maps to Optuna distributions with one parameter name per branch — Optuna rejects a
+categorical whose choices change under one name — so only DeepSpeed-valid combinations are sampled:
+``zero_stage``; ``offload_optimizer_z{stage}`` with the devices that stage allows; ``offload_param_z3``
+at stage 3; ``precision`` (those the hardware supports); ``checkpointing``; ``micro_batch_size`` (those that
+divide the global batch). A knob with one possible value is not sampled.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import optuna
+
+from optimizer.errors import UserError
+from optimizer.knobs import Candidate, OffloadDevice, ZeroStage, parse_knob
+from optimizer.ledger import Verdict, evaluate
+from optimizer.ledger_report import ledger_json
+from optimizer.specs import baseline_candidate
+from optimizer.study_file import StudySpec
+from optimizer.trial_result import Outcome, TrialResult
+
+DIRECTIONS = ("minimize", "maximize")
+"""(peak memory bytes, tokens per second)."""
+SEED_ENQUEUE = 3
+"""How many of the ledger's most promising candidates are enqueued when a study is created."""
+
+
+class TrialFailed(Exception):
+    """A launched trial ended in oom, nan, crash, timeout or unsupported: Optuna records it as FAIL."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Branches:
+    """The values each knob may take, per ZeRO stage where DeepSpeed restricts them."""
+
+    stages: tuple[ZeroStage, ...]
+    offload_optimizer: dict[ZeroStage, tuple[OffloadDevice, ...]]
+    offload_param: tuple[OffloadDevice, ...]
+    precision: tuple[str, ...]
+    checkpointing: tuple[str, ...]
+    micro_batch_size: tuple[int, ...]
+
+
+def branches(study: StudySpec) -> Branches:
+    """Restrict the study's space to what DeepSpeed and the study allow; UserError if nothing is left."""
+    base = baseline_candidate(study.training)
+    values = dict(study.search_space.values)
+
+    def listed(name: str, default: object) -> tuple:
+        return tuple(values.get(name, (default,)))
+
+    def allowed_offload(stage: ZeroStage) -> tuple[OffloadDevice, ...]:
+        options = listed("offload_optimizer", base.offload_optimizer)
+        ok = {ZeroStage.DISABLED: {OffloadDevice.NONE}, ZeroStage.OPTIMIZER: {OffloadDevice.NONE, OffloadDevice.CPU},
+              ZeroStage.GRADIENTS: {OffloadDevice.NONE, OffloadDevice.CPU}}.get(stage, set(OffloadDevice))
+        return tuple(o for o in options if o in ok and (o is not OffloadDevice.NVME or study.hardware.nvme_path))
+
+    stages = tuple(s for s in listed("zero_stage", base.zero_stage) if allowed_offload(s))
+    params = tuple(o for o in listed("offload_param", base.offload_param)
+                   if o is not OffloadDevice.NVME or study.hardware.nvme_path)
+    if ZeroStage.PARAMETERS in stages and not params:
+        stages = tuple(s for s in stages if s is not ZeroStage.PARAMETERS)
+    if ZeroStage.PARAMETERS not in stages:
+        params = (OffloadDevice.NONE,)
+    precisions = tuple(str(p) for p in listed("precision", base.precision) if p in study.hardware.supported_precisions)
+    ranks = study.hardware.world_size
+    mbs = tuple(m for m in listed("micro_batch_size", base.micro_batch_size)
+                if study.training.global_batch_size % (m * ranks) == 0)
+    ckpt = tuple(str(c) for c in listed("checkpointing", base.checkpointing))
+    result = Branches(stages=stages, offload_optimizer={s: allowed_offload(s) for s in stages},
+                      offload_param=params, precision=precisions, checkpointing=ckpt, micro_batch_size=mbs)
+    empty = [name for name, value in (("zero_stage", stages), ("precision", precisions),
+                                      ("micro_batch_size", mbs)) if not value]
+    if empty:
+        raise UserError(source=study.search_space.source, key=f"knobs.{empty[0]}",
+                        why="no value left that DeepSpeed and this study's hardware/batch allow: the search space "
+                            "is empty after validation")
+    return result
+
+
+def _pick(trial: optuna.Trial, name: str, choices: Sequence[Any]) -> Any:
+    return choices[0] if len(choices) == 1 else trial.suggest_categorical(name, list(choices))
+
+
+def sample_candidate(trial: optuna.Trial, space: Branches, base: Candidate) -> Candidate:
+    """One DeepSpeed-valid candidate, conditional knobs under their own parameter names."""
+    stage = ZeroStage(_pick(trial, "zero_stage", [int(s) for s in space.stages]))
+    optimizer = OffloadDevice(_pick(trial, f"offload_optimizer_z{int(stage)}",
+                                    [o.value for o in space.offload_optimizer[stage]]))
+    param = OffloadDevice(_pick(trial, "offload_param_z3", [o.value for o in space.offload_param])) \
+        if stage is ZeroStage.PARAMETERS else OffloadDevice.NONE
+    return replace(
+        base, zero_stage=stage, offload_optimizer=optimizer, offload_param=param,
+        precision=parse_knob("precision", _pick(trial, "precision", list(space.precision))),
+        checkpointing=parse_knob("checkpointing", _pick(trial, "checkpointing", list(space.checkpointing))),
+        micro_batch_size=_pick(trial, "micro_batch_size", list(space.micro_batch_size)),
+    )
+
+
+def distribution_params(candidate: Candidate, space: Branches) -> dict[str, Any]:
+    """The Optuna parameters that make ``sample_candidate`` return ``candidate`` (for enqueueing)."""
+    params: dict[str, Any] = {}
+    stage = candidate.zero_stage
+    if len(space.stages) > 1:
+        params["zero_stage"] = int(stage)
+    if len(space.offload_optimizer[stage]) > 1:
+        params[f"offload_optimizer_z{int(stage)}"] = candidate.offload_optimizer.value
+    if stage is ZeroStage.PARAMETERS and len(space.offload_param) > 1:
+        params["offload_param_z3"] = candidate.offload_param.value
+    for name, choices, value in (("precision", space.precision, str(candidate.precision)),
+                                 ("checkpointing", space.checkpointing, str(candidate.checkpointing)),
+                                 ("micro_batch_size", space.micro_batch_size, candidate.micro_batch_size)):
+        if len(choices) > 1:
+            params[name] = value
+    return params
+
+
+def candidate_key(candidate: Candidate) -> str:
+    """A stable identity for 'already measured': the knobs as sorted JSON."""
+    return json.dumps(candidate.knobs(), sort_keys=True)
+
+
+def promise(verdict: Verdict) -> tuple:
+    """Provisional ordering of fitting candidates, most promising first, until a throughput model exists:
+    no offload, no recomputation, low ZeRO stage (less communication), 16-bit, large micro-batch."""
+    c = verdict.candidate
+    offloads = (c.offload_optimizer is not OffloadDevice.NONE) + (c.offload_param is not OffloadDevice.NONE)
+    recompute = {"none": 0, "selective": 1}.get(str(c.checkpointing), 2)
+    return (offloads, recompute, int(c.zero_stage), str(c.precision) == "fp32", -c.micro_batch_size)
+
+
+def seed_study(study: optuna.Study, spec: StudySpec, space: Branches) -> int:
+    """Enqueue the ledger's most promising fitting candidates, once per study (a study attribute guards it)."""
+    if study.user_attrs.get("dsopt_seeded"):
+        return 0
+    base = baseline_candidate(spec.training)
+    verdicts = [evaluate(candidate=c, model=spec.model, hardware=spec.hardware, training=spec.training)
+                for c in spec.search_space.candidates(base)]
+    fitting = sorted((v for v in verdicts if v.fits and _in_space(v.candidate, space)), key=promise)
+    for verdict in fitting[:SEED_ENQUEUE]:
+        study.enqueue_trial(distribution_params(verdict.candidate, space), skip_if_exists=True)
+    study.set_user_attr("dsopt_seeded", True)
+    return min(len(fitting), SEED_ENQUEUE)
+
+
+def _in_space(candidate: Candidate, space: Branches) -> bool:
+    return (candidate.zero_stage in space.stages
+            and candidate.offload_optimizer in space.offload_optimizer[candidate.zero_stage]
+            and candidate.offload_param in space.offload_param
+            and str(candidate.precision) in space.precision
+            and str(candidate.checkpointing) in space.checkpointing
+            and candidate.micro_batch_size in space.micro_batch_size)
+
+
+def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candidate], TrialResult],
+                   artifact_dir: Callable[[Candidate], str] | None = None) -> Callable[[optuna.Trial], tuple]:
+    """The objective: ledger first (prune), then reuse, then a real trial through ``runner``.
+
+    ``artifact_dir`` names where a launched trial keeps its files (recorded as the ``trial_dir`` attribute).
+    """
+    base = baseline_candidate(spec.training)
+
+    def objective(trial: optuna.Trial) -> tuple[float, float]:
+        candidate = sample_candidate(trial, space, base)
+        key = candidate_key(candidate)
+        trial.set_user_attr("candidate", candidate.knobs())
+        trial.set_user_attr("candidate_key", key)
+        verdict = evaluate(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training)
+        if verdict.ledger is None:
+            trial.set_user_attr("pruned_reason", "invalid: " + "; ".join(verdict.invalid_reasons))
+            raise optuna.TrialPruned(trial.user_attrs["pruned_reason"])
+        trial.set_user_attr("predicted_bytes", verdict.ledger.per_gpu()["total"])
+        trial.set_user_attr("predicted_gpu_needed_bytes", verdict.ledger.gpu_needed_bytes)
+        if not verdict.fits:
+            trial.set_user_attr("pruned_reason", "does not fit: " + "; ".join(verdict.ledger.verdict_reasons()))
+            trial.set_user_attr("ledger", ledger_json(verdict.ledger))
+            raise optuna.TrialPruned(trial.user_attrs["pruned_reason"])
+        tolerance = spec.trial.tolerance(candidate.precision)
+        previous = _measured(trial.study, key, exclude=trial.number)
+        if previous is not None:
+            trial.set_user_attr("reused_from", previous.number)
+            for name in ("outcome", "loss_fidelity", "tokens_per_s", "peak_memory_bytes", "trial_dir"):
+                if name in previous.user_attrs:
+                    trial.set_user_attr(name, previous.user_attrs[name])
+            trial.set_constraint("loss_fidelity", previous.user_attrs["loss_fidelity"] - tolerance)
+            return tuple(previous.values)  # type: ignore[return-value]
+        if artifact_dir is not None:
+            trial.set_user_attr("trial_dir", artifact_dir(candidate))
+        result = runner(candidate)
+        trial.set_user_attr("outcome", result.outcome.value)
+        trial.set_user_attr("wall_s", result.wall_s)
+        if result.outcome is not Outcome.OK:
+            trial.set_user_attr("message", result.message[-1000:])
+            raise TrialFailed(f"{result.outcome}: {result.message[-300:]}")
+        fidelity = result.loss_fidelity if result.loss_fidelity is not None else 0.0
+        trial.set_user_attr("loss_fidelity", fidelity)
+        trial.set_user_attr("tokens_per_s", result.tokens_per_s)
+        trial.set_user_attr("peak_memory_bytes", result.peak_memory_bytes)
+        trial.set_user_attr("peak_reserved_bytes", result.peak_reserved_bytes)
+        trial.set_user_attr("step_time_s", result.step_time_s)
+        trial.set_user_attr("losses", list(result.losses))
+        trial.set_constraint("loss_fidelity", fidelity - tolerance)
+        return float(result.peak_memory_bytes or 0), float(result.tokens_per_s or 0.0)
+
+    return objective
+
+
+def _measured(study: optuna.Study, key: str, *, exclude: int) -> optuna.trial.FrozenTrial | None:
+    for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        if frozen.number != exclude and frozen.user_attrs.get("candidate_key") == key \
+                and "loss_fidelity" in frozen.user_attrs:
+            return frozen
+    return None
+
+
+def open_study(*, spec: StudySpec, storage: str) -> optuna.Study:
+    """Create or resume the study (``load_if_exists``); an unreachable storage is a UserError."""
+    try:
+        return optuna.create_study(study_name=spec.name, storage=storage, directions=list(DIRECTIONS),
+                                   load_if_exists=True)
+    except Exception as err:  # sqlalchemy / journal errors differ by backend
+        raise UserError(source="--storage", key=redact(storage), why=f"cannot open the study storage: "
+                        f"{type(err).__name__}: {redact(str(err))[:300]}") from None
+
+
+def redact(text: str) -> str:
+    """Hide a password in a storage URL (``scheme://user:password@host``)."""
+    import re
+
+    return re.sub(r"(://[^:/@\s]+:)[^@\s]+@", r"\1***@", text)
