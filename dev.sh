@@ -25,7 +25,7 @@ setup() {
 case "${1:-}" in
   demo)
     setup
-    "$venv/bin/dsopt" ledger studies/seed-1b-2x24gb.yaml --all
+    "$venv/bin/dsopt" demo
     ;;
   test)
     setup

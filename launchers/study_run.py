@@ -22,7 +22,6 @@ TrialState = optuna.trial.TrialState
 
 def default_storage(spec: StudySpec) -> str:
     """``sqlite:///<abs>/studies/<name>/study.db`` — single process only (use PostgreSQL or a journal for workers)."""
-    spec.output_dir.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{(spec.output_dir / 'study.db').resolve()}"
 
 
@@ -60,7 +59,8 @@ def _progress(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
 def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s: float | None,
               runner: Callable[[Candidate, list[float]], TrialResult] | None = None) -> optuna.Study:
     """Create or resume the study and run up to ``n_trials`` more trials (or until ``timeout_s``)."""
-    space = branches(spec)
+    space = branches(spec)  # validate before anything is written
+    spec.output_dir.mkdir(parents=True, exist_ok=True)
     study = open_study(spec=spec, storage=storage)
     seed_study(study, spec, space)
     reference = study.user_attrs.get("reference_losses")

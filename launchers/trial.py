@@ -91,8 +91,11 @@ def rank_plan(*, study: StudySpec, candidate: Candidate) -> dict[str, Any]:
 
 
 def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None = None,
-              reference_losses: list[float] | None = None) -> TrialResult:
-    """Run ``candidate`` for real on this node's devices (CPU ranks when the study says ``cpu``)."""
+              reference_losses: list[float] | None = None, ds_config: dict[str, Any] | None = None) -> TrialResult:
+    """Run ``candidate`` for real on this node's devices (CPU ranks when the study says ``cpu``).
+
+    ``ds_config`` replaces the built config (e.g. to train with an exported JSON file as it is).
+    """
     reasons = invalid_reasons(candidate=candidate, model=study.model, hardware=study.hardware,
                               training=study.training)
     if reasons:
@@ -107,6 +110,8 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
     for stale in trial_dir.glob("rank*.json"):
         stale.unlink()
     plan = rank_plan(study=study, candidate=candidate)
+    if ds_config is not None:
+        plan["config"] = ds_config
     (trial_dir / "ds_config.json").write_text(json.dumps(plan["config"], indent=2) + "\n")
     (trial_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
     ranks = study.hardware.gpus_per_node

@@ -11,13 +11,14 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
 from optimizer.errors import EXIT_USER_ERROR, UserError
 from optimizer.knobs import KNOB_NAMES, Candidate, parse_knob
 from optimizer.ledger import evaluate
 from optimizer.ledger_report import all_json, all_table, ledger_json, ledger_table
-from optimizer.search import redact
 from optimizer.specs import SeedModel, baseline_candidate
+from optimizer.storage import redact, storage_error
 from optimizer.study_file import StudySpec, load_study
 from optimizer.transformer import parameter_count
 from optimizer.trial_report import trial_json, trial_table
@@ -126,6 +127,102 @@ def _study_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_optuna_study(study: StudySpec, storage: str | None):
+    """The stored Optuna study, or a UserError; never creates a storage just to read it."""
+    import optuna
+
+    if storage is None:
+        path = study.output_dir / "study.db"
+        if not path.exists():
+            raise UserError(source=str(study.path), key="study", why=f"no study storage at {path}; run "
+                            f"'dsopt study run {study.path}' first")
+        storage = f"sqlite:///{path.resolve()}"
+    try:
+        return optuna.load_study(study_name=study.name, storage=storage)
+    except KeyError:
+        raise UserError(source="--storage", key=redact(storage), why=f"no study named {study.name!r} in it") from None
+    except Exception as err:
+        raise storage_error(storage, err) from None
+
+
+def _export(args: argparse.Namespace) -> int:
+    from optimizer.export import export_text, exported_config, write_atomically
+    from optimizer.pareto import pick_trial
+
+    study = load_study(args.study)
+    stored = _load_optuna_study(study, args.storage)
+    trial = pick_trial(stored, args.pick)
+    config = exported_config(spec=study, knobs=trial.user_attrs["candidate"], hf=args.hf)
+    out = Path(args.out) if args.out else study.output_dir / f"ds_config.{args.pick.replace('=', '')}" \
+        f"{'.hf' if args.hf else ''}.json"
+    write_atomically(out, export_text(config), force=args.force)
+    attrs = trial.user_attrs
+    print(f"picked trial #{trial.number} ({args.pick}): {attrs.get('candidate')}")
+    print(f"measured: peak {trial.values[0] / 1e6:.3f} MB per rank (10^6 bytes), {trial.values[1]:,.0f} tokens/s, "
+          f"loss fidelity {attrs.get('loss_fidelity', float('nan')):.1e}"
+          + (f" (reused from trial #{attrs['reused_from']})" if "reused_from" in attrs else ""))
+    kind = "Hugging Face Trainer variant: batch sizes and optimizer params = auto" if args.hf else "DeepSpeed config"
+    print(f"wrote {out} ({kind}; validated by DeepSpeed's parser)")
+    return 0
+
+
+def _pareto(args: argparse.Namespace) -> int:
+    from optimizer.pareto import front_table
+    from optimizer.pareto_plot import write_html, write_png
+
+    study = load_study(args.study)
+    stored = _load_optuna_study(study, args.storage)
+    out = Path(args.out) if args.out else study.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    print(front_table(stored))
+    png = write_png(stored, out / "pareto.png")
+    html = write_html(stored, out / "pareto.html")
+    print(f"wrote {png} and {html}")
+    return 0
+
+
+DEMO_STUDY = Path(__file__).resolve().parents[1] / "studies" / "demo-cpu.yaml"
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import time
+
+    from launchers.study_run import counts, default_storage, run_study
+    from optimizer.export import export_text, exported_config, write_atomically
+    from optimizer.pareto import front_table, pick_trial
+    from optimizer.pareto_plot import write_html, write_png
+
+    start = time.monotonic()
+    study = load_study(args.study or DEMO_STUDY)
+    storage = default_storage(study)
+    print(f"dsopt demo: study {study.path} on {study.hardware.gpus_per_node} {study.hardware.accelerator} ranks, "
+          f"until {args.n_trials} trials have finished (storage {storage})", file=sys.stderr)
+    import optuna
+
+    finished = 0
+    if (study.output_dir / "study.db").exists():
+        existing = optuna.load_study(study_name=study.name, storage=storage)
+        finished = sum(1 for t in existing.get_trials(deepcopy=False) if t.state.is_finished())
+    try:
+        stored = run_study(spec=study, storage=storage, n_trials=max(0, args.n_trials - finished), timeout_s=None)
+    except KeyboardInterrupt:
+        print("dsopt: interrupted; run the demo again to continue", file=sys.stderr)
+        return 130
+    print(front_table(stored))
+    trial = pick_trial(stored, "balanced")
+    out = study.output_dir / "ds_config.balanced.json"
+    write_atomically(out, export_text(exported_config(spec=study, knobs=trial.user_attrs["candidate"], hf=False)),
+                     force=True)
+    png, html = write_png(stored, study.output_dir / "pareto.png"), write_html(stored, study.output_dir / "pareto.html")
+    c = counts(stored)
+    print(f"\ntrials: {c['measured']} launched and measured, {c['reused']} reused, {c['pruned']} pruned by the ledger "
+          f"(never launched), {c['failed']} failed; wall time {time.monotonic() - start:.0f} s")
+    print(f"picked (balanced): trial #{trial.number} {trial.user_attrs['candidate']} — {trial.values[0] / 1e6:.3f} MB "
+          f"per rank, {trial.values[1]:,.0f} tokens/s, loss fidelity {trial.user_attrs.get('loss_fidelity', 0):.1e}")
+    print(f"DeepSpeed config: {out}\nPareto plots: {png}, {html}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsopt", description="Search-based optimizer for DeepSpeed configurations.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +248,23 @@ def build_parser() -> argparse.ArgumentParser:
     study_run.add_argument("--storage", default=None,
                            help="Optuna storage URL (default: sqlite file under studies/NAME/)")
     study_run.set_defaults(run=_study_run)
+    export = sub.add_parser("export", help="write a measured trial's DeepSpeed JSON")
+    export.add_argument("study", help="study file")
+    export.add_argument("--storage", default=None, help="Optuna storage URL (default: the study's sqlite file)")
+    export.add_argument("--pick", default="balanced", help="fastest | smallest | balanced | trial=N")
+    export.add_argument("--out", default=None, help="output path (default: studies/NAME/ds_config.PICK.json)")
+    export.add_argument("--force", action="store_true", help="overwrite an existing file")
+    export.add_argument("--hf", action="store_true", help="Hugging Face Trainer variant (batch sizes = auto)")
+    export.set_defaults(run=_export)
+    pareto = sub.add_parser("pareto", help="print the Pareto front and write pareto.png / pareto.html")
+    pareto.add_argument("study", help="study file")
+    pareto.add_argument("--storage", default=None, help="Optuna storage URL (default: the study's sqlite file)")
+    pareto.add_argument("--out", default=None, help="output folder (default: studies/NAME/)")
+    pareto.set_defaults(run=_pareto)
+    demo = sub.add_parser("demo", help="a small real study on 2 CPU ranks, then export and Pareto plots")
+    demo.add_argument("--study", default=None, help=f"study file (default: {DEMO_STUDY.name})")
+    demo.add_argument("--n-trials", type=int, default=16, help="finished trials to reach (default 16)")
+    demo.set_defaults(run=_demo)
     return parser
 
 

@@ -29,6 +29,7 @@ from optimizer.knobs import Candidate, OffloadDevice, ZeroStage, parse_knob
 from optimizer.ledger import Verdict, evaluate
 from optimizer.ledger_report import ledger_json
 from optimizer.specs import baseline_candidate
+from optimizer.storage import storage_error
 from optimizer.study_file import StudySpec
 from optimizer.trial_result import Outcome, TrialResult
 
@@ -232,12 +233,4 @@ def open_study(*, spec: StudySpec, storage: str) -> optuna.Study:
         return optuna.create_study(study_name=spec.name, storage=storage, directions=list(DIRECTIONS),
                                    load_if_exists=True)
     except Exception as err:  # sqlalchemy / journal errors differ by backend
-        raise UserError(source="--storage", key=redact(storage), why=f"cannot open the study storage: "
-                        f"{type(err).__name__}: {redact(str(err))[:300]}") from None
-
-
-def redact(text: str) -> str:
-    """Hide a password in a storage URL (``scheme://user:password@host``)."""
-    import re
-
-    return re.sub(r"(://[^:/@\s]+:)[^@\s]+@", r"\1***@", text)
+        raise storage_error(storage, err) from None

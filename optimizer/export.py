@@ -1,0 +1,64 @@
+"""Export a measured trial as a ready-to-use DeepSpeed JSON: the builder the trial used, DeepSpeed's parser,
+an atomic write that never overwrites without ``force``.
+
+``hf=True`` writes the Hugging Face Trainer variant: the batch sizes and the optimizer's hyper-parameters
+become ``"auto"`` (the Trainer fills them from its ``TrainingArguments``: ``per_device_train_batch_size``,
+``gradient_accumulation_steps``, ``learning_rate``, ``weight_decay``, ``adam_beta1/2``, ``adam_epsilon``);
+ZeRO, offload and precision stay as measured — pass ``--bf16``/``--fp16`` to the Trainer to match.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from optimizer.ds_config import build_ds_config
+from optimizer.ds_validate import InvalidDeepSpeedConfig, validate_with_deepspeed
+from optimizer.errors import UserError
+from optimizer.knobs import KNOB_NAMES, with_knobs
+from optimizer.specs import baseline_candidate
+from optimizer.study_file import StudySpec
+
+HF_AUTO_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+HF_AUTO_OPTIMIZER = ("lr", "betas", "eps", "weight_decay")
+
+
+def exported_config(*, spec: StudySpec, knobs: dict[str, Any], hf: bool) -> dict[str, Any]:
+    """The DeepSpeed config of the measured candidate ``knobs``, validated by DeepSpeed's parser."""
+    candidate = with_knobs(baseline_candidate(spec.training), {k: knobs[k] for k in KNOB_NAMES if k in knobs})
+    config = build_ds_config(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training)
+    try:
+        validate_with_deepspeed(config, world_size=spec.hardware.world_size)
+    except InvalidDeepSpeedConfig as err:
+        raise UserError(source=str(spec.path), key="export", why=str(err)) from None
+    if not hf:
+        return config
+    auto = copy.deepcopy(config)
+    for key in HF_AUTO_KEYS:
+        auto[key] = "auto"
+    for key in HF_AUTO_OPTIMIZER:
+        auto["optimizer"]["params"][key] = "auto"
+    return auto
+
+
+def write_atomically(path: Path, text: str, *, force: bool) -> None:
+    """Write ``text`` to ``path`` via a temporary file and a rename; refuse to overwrite unless ``force``."""
+    if path.exists() and not force:
+        raise UserError(source="--out", key=str(path), why="exists; pass --force to overwrite")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def export_text(config: dict[str, Any]) -> str:
+    return json.dumps(config, indent=2) + "\n"

@@ -1,0 +1,90 @@
+"""Draw the study: measured trials, the feasible Pareto front highlighted, and the candidates the ledger
+pruned at their predicted peak (not launched, so no throughput: drawn on the zero line). Drawing only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+
+from optimizer.pareto import feasible_front
+
+TrialState = optuna.trial.TrialState
+MB = 1e6
+
+
+def _groups(study: optuna.Study) -> dict[str, list[tuple[float, float, str]]]:
+    front_numbers = {t.number for t in feasible_front(study)}
+    groups: dict[str, list[tuple[float, float, str]]] = {"front": [], "feasible": [], "infeasible": [], "pruned": [],
+                                                         "failed": []}
+    for t in study.get_trials(deepcopy=False):
+        label = f"#{t.number} " + " ".join(f"{k}={v}" for k, v in t.user_attrs.get("candidate", {}).items())
+        if t.state is TrialState.COMPLETE and t.values:
+            feasible = all(v <= 0 for v in t.constraints.values())
+            kind = "front" if t.number in front_numbers else ("feasible" if feasible else "infeasible")
+            groups[kind].append((t.values[0] / MB, t.values[1], label))
+        elif t.state is TrialState.PRUNED and "predicted_bytes" in t.user_attrs:
+            groups["pruned"].append((t.user_attrs["predicted_bytes"] / MB, 0.0,
+                                     label + " — " + t.user_attrs.get("pruned_reason", "")))
+        elif t.state is TrialState.FAIL and "predicted_bytes" in t.user_attrs:
+            groups["failed"].append((t.user_attrs["predicted_bytes"] / MB, 0.0,
+                                     label + f" — {t.user_attrs.get('outcome', 'failed')}"))
+    return groups
+
+
+STYLE = {
+    "front": dict(color="tab:red", marker="o", label="Pareto front (feasible)"),
+    "feasible": dict(color="tab:blue", marker="o", label="measured, feasible"),
+    "infeasible": dict(color="tab:gray", marker="s", label="measured, loss fidelity out of tolerance"),
+    "pruned": dict(color="tab:olive", marker="x", label="pruned by the ledger (at predicted peak; not launched)"),
+    "failed": dict(color="black", marker="v", label="failed (at predicted peak)"),
+}
+
+
+def write_png(study: optuna.Study, path: Path) -> Path:
+    """``pareto.png`` with matplotlib (Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = _groups(study)
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for kind, points in groups.items():
+        if points:
+            style = STYLE[kind]
+            ax.scatter([p[0] for p in points], [p[1] for p in points], c=style["color"], marker=style["marker"],
+                       label=f"{style['label']} ({len(points)})", s=60 if kind == "front" else 30, zorder=3)
+    front = sorted(groups["front"])
+    if front:
+        ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="tab:red", alpha=0.5)
+    ax.set_xlabel("peak memory per rank, measured (MB = 10^6 bytes)")
+    ax.set_ylabel("throughput (tokens/s)")
+    ax.set_title(f"dsopt study {study.study_name}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_html(study: optuna.Study, path: Path) -> Path:
+    """``pareto.html``: Optuna's ``plot_pareto_front`` (infeasible trials coloured from the constraints), plus
+    the pruned candidates at their ledger prediction."""
+    import plotly.graph_objects as go
+    from optuna.visualization import plot_pareto_front
+
+    complete = [t for t in study.get_trials(deepcopy=False) if t.state is TrialState.COMPLETE]
+    fig = plot_pareto_front(study, target_names=["peak memory (bytes)", "tokens/s"]) if complete else go.Figure()
+    groups = _groups(study)
+    for kind in ("pruned", "failed"):
+        points = groups[kind]
+        if points:
+            fig.add_trace(go.Scatter(x=[p[0] * MB for p in points], y=[p[1] for p in points], mode="markers",
+                                     name=STYLE[kind]["label"], text=[p[2] for p in points],
+                                     marker=dict(symbol="x" if kind == "pruned" else "triangle-down", size=9)))
+    fig.update_layout(title=f"dsopt study {study.study_name}", xaxis_title="peak memory per rank (bytes)",
+                      yaxis_title="tokens/s")
+    fig.write_html(str(path), include_plotlyjs=True)
+    return path

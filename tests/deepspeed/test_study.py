@@ -1,0 +1,134 @@
+"""Studies with real DeepSpeed on 2 CPU ranks: search, pruning, export, Pareto files, SIGINT and resume."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+
+from launchers.study_run import counts, default_storage, run_study
+from launchers.trial import candidate_slug, run_trial
+from optimizer.cli import main
+from optimizer.knobs import with_knobs
+from optimizer.specs import baseline_candidate
+from optimizer.study_file import load_study
+from optimizer.trial_result import Outcome
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+TrialState = optuna.trial.TrialState
+
+
+def small_study(folder: Path, **space) -> Path:
+    raw = yaml.safe_load((ROOT / "studies" / "demo-cpu.yaml").read_text())
+    raw["name"] = "small"
+    raw["search_space"] = {"knobs": space or {"zero_stage": [0, 1, 2], "precision": ["fp32", "bf16"],
+                                              "checkpointing": ["none", "full"], "micro_batch_size": [1, 2, 4]}}
+    path = folder / "small.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    spec = load_study(small_study(tmp_path_factory.mktemp("study")))
+    study = run_study(spec=spec, storage=default_storage(spec), n_trials=7, timeout_s=None)
+    return spec, study
+
+
+def test_a_small_study_completes(finished):
+    _, study = finished
+    c = counts(study)
+    assert c["measured"] >= 2 and c["running"] == 0
+    assert sum(c[k] for k in ("measured", "reused", "pruned", "failed")) == 7
+    assert study.best_trials
+    for trial in study.best_trials:
+        assert trial.user_attrs["outcome"] == "ok" and trial.user_attrs["loss_fidelity"] <= 2e-2
+
+
+def test_pruned_trials_never_started_a_process(finished):
+    spec, study = finished
+    trials = study.get_trials()
+    launched = {Path(t.user_attrs["trial_dir"]).name for t in trials if "trial_dir" in t.user_attrs}
+    folders = {p.name for p in (spec.output_dir / "trials").iterdir()}
+    assert folders == launched  # every folder is a launch the objective made
+    for trial in trials:
+        if trial.state is TrialState.PRUNED:
+            assert "trial_dir" not in trial.user_attrs and "outcome" not in trial.user_attrs
+            assert trial.user_attrs["pruned_reason"]
+            slug = candidate_slug(with_knobs(baseline_candidate(spec.training), trial.user_attrs["candidate"]))
+            assert slug not in folders
+
+
+def test_export_loads_in_deepspeed_and_trains(finished, capsys):
+    spec, _ = finished
+    out = spec.output_dir / "exported.json"
+    assert main(["export", str(spec.path), "--pick", "fastest", "--out", str(out)]) == 0
+    config = json.loads(out.read_text())
+    knobs = json.loads(capsys.readouterr().out.split("): ", 1)[1].split("\n", 1)[0].replace("'", '"'))
+    candidate = with_knobs(baseline_candidate(spec.training), knobs)
+    result = run_trial(study=spec, candidate=candidate, trial_dir=spec.output_dir / "export-check", ds_config=config)
+    assert result.outcome is Outcome.OK, result.message + result.log_tail
+    assert len(result.losses) == spec.trial.warmup_steps + spec.trial.measured_steps
+    assert main(["export", str(spec.path), "--pick", "fastest", "--out", str(out)]) == 2  # no overwrite
+    assert main(["export", str(spec.path), "--pick", "balanced", "--hf", "--out", str(out), "--force"]) == 0
+    assert json.loads(out.read_text())["train_micro_batch_size_per_gpu"] == "auto"
+
+
+def test_pareto_files_contain_the_measured_trials(finished, capsys):
+    spec, study = finished
+    out = spec.output_dir / "plots"
+    assert main(["pareto", str(spec.path), "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    html = (out / "pareto.html").read_text()
+    assert (out / "pareto.png").stat().st_size > 10_000
+    for trial in study.best_trials:
+        assert f"{trial.number:>5}" in table
+        assert json.dumps(trial.values[1])[:8] in html  # the measured throughput is plotted
+
+
+def _no_rank_left() -> bool:
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=False).stdout
+    return "launchers.trial_rank" not in out
+
+
+def test_sigint_then_resume_loses_and_repeats_nothing(tmp_path):
+    path = small_study(tmp_path, zero_stage=[0, 1, 2, 3], precision=["fp32", "bf16"], micro_batch_size=[1, 2])
+    spec = load_study(path)
+    storage = default_storage(spec)
+    proc = subprocess.Popen([sys.executable, "-m", "optimizer.cli", "study", "run", str(path), "--n-trials", "8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 400
+    completed_before: list[str] = []
+    while time.monotonic() < deadline:
+        time.sleep(2)
+        if not (spec.output_dir / "study.db").exists():
+            continue
+        try:
+            trials = optuna.load_study(study_name=spec.name, storage=storage).get_trials()
+        except KeyError:
+            continue
+        done = [t for t in trials if t.state is TrialState.COMPLETE]
+        if done and any(t.state is TrialState.RUNNING for t in trials):
+            completed_before = [t.user_attrs["candidate_key"] for t in done]
+            break
+    assert completed_before, "no trial completed while another was running"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert _no_rank_left()
+    interrupted = optuna.load_study(study_name=spec.name, storage=storage)
+    assert any(t.state is TrialState.FAIL for t in interrupted.get_trials())
+    study = run_study(spec=spec, storage=storage, n_trials=3, timeout_s=None)
+    complete = [t for t in study.get_trials() if t.state is TrialState.COMPLETE]
+    keys_after = [t.user_attrs["candidate_key"] for t in complete]
+    assert all(key in keys_after for key in completed_before)  # nothing completed was lost
+    measured = [t.user_attrs["candidate_key"] for t in complete if "reused_from" not in t.user_attrs]
+    assert len(measured) == len(set(measured))  # nothing was launched twice
