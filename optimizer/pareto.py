@@ -17,8 +17,12 @@ PICKS = ("fastest", "smallest", "balanced")
 
 
 def feasible_front(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """The feasible Pareto front, smallest peak memory first."""
-    return sorted(study.best_trials, key=lambda t: (t.values[0], -t.values[1]))
+    """The feasible Pareto front, smallest peak memory first; a reused trial (a copy of an earlier
+    measurement of the same candidate) is shown once, as the trial that measured it."""
+    unique: dict[str, optuna.trial.FrozenTrial] = {}
+    for trial in sorted(study.best_trials, key=lambda t: t.number):
+        unique.setdefault(trial.user_attrs.get("candidate_key", str(trial.number)), trial)
+    return sorted(unique.values(), key=lambda t: (t.values[0], -t.values[1]))
 
 
 def pick_trial(study: optuna.Study, how: str) -> optuna.trial.FrozenTrial:

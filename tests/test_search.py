@@ -1,0 +1,74 @@
+"""The Optuna glue without launches: DeepSpeed-valid branches, enqueue parameters, picks, redaction."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+
+from optimizer.errors import UserError
+from optimizer.knobs import OffloadDevice, ZeroStage
+from optimizer.ledger import evaluate
+from optimizer.pareto import feasible_front, pick_trial
+from optimizer.search import branches, candidate_key, distribution_params, sample_candidate
+from optimizer.specs import baseline_candidate
+from optimizer.storage import redact
+from optimizer.study_file import load_study
+
+
+@pytest.fixture
+def demo(repo_root):
+    return load_study(repo_root / "studies" / "demo-cpu.yaml")
+
+
+def test_branches_follow_deepspeeds_rules(demo):
+    space = branches(demo)
+    assert space.offload_optimizer[ZeroStage.DISABLED] == (OffloadDevice.NONE,)
+    assert space.offload_optimizer[ZeroStage.GRADIENTS] == (OffloadDevice.NONE, OffloadDevice.CPU)
+    assert space.offload_param == (OffloadDevice.NONE, OffloadDevice.CPU)
+    assert space.precision == ("fp32", "bf16")  # fp16 is not in the CPU ranks' supported precisions
+
+
+def test_every_valid_candidate_is_reachable_and_enqueue_params_round_trip(demo):
+    space = branches(demo)
+    base = baseline_candidate(demo.training)
+    seen = 0
+    for candidate in demo.search_space.candidates(base):
+        if evaluate(candidate=candidate, model=demo.model, hardware=demo.hardware, training=demo.training).ledger:
+            params = distribution_params(candidate, space)
+            assert sample_candidate(optuna.trial.FixedTrial(params), space, base) == candidate
+            seen += 1
+    assert seen == 216
+
+
+def test_candidate_key_is_stable(demo):
+    base = baseline_candidate(demo.training)
+    assert candidate_key(base) == candidate_key(baseline_candidate(demo.training))
+
+
+def _trial(number_values, fidelity, key):
+    return optuna.trial.create_trial(values=list(number_values), user_attrs={"candidate_key": key,
+                                                                               "loss_fidelity": fidelity},
+                                     system_attrs={"constraints:loss_fidelity": fidelity - 0.01})
+
+
+def test_picks_on_the_feasible_front():
+    study = optuna.create_study(directions=["minimize", "maximize"])
+    study.add_trial(_trial((1.0, 10.0), 0.0, "a"))
+    study.add_trial(_trial((2.0, 40.0), 0.0, "b"))
+    study.add_trial(_trial((4.0, 50.0), 0.0, "c"))
+    study.add_trial(_trial((0.5, 100.0), 0.5, "d"))  # dominates all, but infeasible (fidelity out of tolerance)
+    study.add_trial(_trial((2.0, 40.0), 0.0, "b"))  # a reused copy of b
+    assert [t.user_attrs["candidate_key"] for t in feasible_front(study)] == ["a", "b", "c"]
+    assert pick_trial(study, "fastest").user_attrs["candidate_key"] == "c"
+    assert pick_trial(study, "smallest").user_attrs["candidate_key"] == "a"
+    assert pick_trial(study, "balanced").user_attrs["candidate_key"] == "b"
+    assert pick_trial(study, "trial=2").number == 2
+    with pytest.raises(UserError, match="violates"):
+        pick_trial(study, "trial=3")
+    with pytest.raises(UserError, match="expected one of"):
+        pick_trial(study, "cheapest")
+
+
+def test_passwords_are_masked():
+    assert redact("postgresql+psycopg://dsopt:s3cret@db.example:5432/x") == "postgresql+psycopg://dsopt:***@db.example:5432/x"
+    assert redact("sqlite:////tmp/x.db") == "sqlite:////tmp/x.db"
