@@ -4,8 +4,10 @@ Writes everything a trial used and produced under its folder (``studies/<name>/t
 ``ds_config.json`` (the builder's output, as launched), ``plan.json`` (what the ranks were told),
 ``log.txt`` (the launcher's and ranks' output), ``rank<r>.json`` (each rank's report) and
 ``result.json``. Loss fidelity compares against the study's FP32 reference run — the baseline
-candidate (ZeRO 0, fp32, no checkpointing, the study's micro-batch) on the same global batch and data —
-run once and cached in ``studies/<name>/reference.json`` under a key of everything that determines it.
+candidate (ZeRO 0, fp32, no checkpointing, the study's micro-batch) on the same global batch and data, or,
+when the ledger says the baseline does not fit, its least-memory FP32 variant (see
+:func:`reference_candidate`) — run once and cached in ``studies/<name>/reference.json`` under a key of
+everything that determines it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from optimizer import __version__
 from optimizer.constraints import invalid_reasons
 from optimizer.ds_config import build_ds_config
 from optimizer.errors import UserError
-from optimizer.knobs import Candidate
+from optimizer.knobs import Candidate, FullCheckpointing, OffloadDevice, ZeroStage
+from optimizer.ledger import evaluate
 from optimizer.specs import Accelerator, TransformerModel, baseline_candidate
 from optimizer.study_file import StudySpec
 from optimizer.trial_result import Outcome, TrialResult, summarize
@@ -149,28 +152,54 @@ def result_json(result: TrialResult) -> dict[str, Any]:
     return data
 
 
+def reference_candidate(study: StudySpec) -> Candidate:
+    """The FP32 reference: the baseline if the ledger says it fits; otherwise the FP32 variant of it that fits
+    with the least memory — ZeRO stages, offload and full recomputation change only the order of floating-point
+    reductions (measured ≤ 1e-7 relative on cpu-tiny), so the losses are the baseline's. UserError if no FP32
+    configuration fits."""
+    base = baseline_candidate(study.training)
+    spec = {"model": study.model, "hardware": study.hardware, "training": study.training}
+    if evaluate(candidate=base, **spec).fits:
+        return base
+    options = []
+    for stage in ZeroStage:
+        for optimizer in (OffloadDevice.NONE, OffloadDevice.CPU):
+            for param in (OffloadDevice.NONE, OffloadDevice.CPU):
+                for checkpointing in (base.checkpointing, FullCheckpointing()):
+                    candidate = dataclasses.replace(base, zero_stage=stage, offload_optimizer=optimizer,
+                                                    offload_param=param, checkpointing=checkpointing)
+                    verdict = evaluate(candidate=candidate, **spec)
+                    if verdict.fits and verdict.ledger is not None:
+                        options.append((verdict.ledger.gpu_needed_bytes, candidate.label(), candidate))
+    if not options:
+        raise UserError(source=str(study.path), key="hardware", why="no FP32 configuration of the model fits, so "
+                        "there is no FP32 reference to judge loss fidelity against")
+    return min(options, key=lambda o: o[:2])[2]
+
+
 def reference_key(study: StudySpec) -> str:
     """Everything that determines the reference losses, hashed."""
-    plan = rank_plan(study=study, candidate=baseline_candidate(study.training))
+    plan = rank_plan(study=study, candidate=reference_candidate(study))
     payload = {"plan": plan, "ranks": study.hardware.gpus_per_node, "accelerator": str(study.hardware.accelerator),
                "dsopt": __version__}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 def reference_losses(study: StudySpec) -> list[float]:
-    """The FP32 reference losses, from the study's cache or from one baseline run (then cached)."""
+    """The FP32 reference losses, from the study's cache or from one run of :func:`reference_candidate`."""
     cache = study.output_dir / "reference.json"
     key = reference_key(study)
     if cache.exists():
         data = json.loads(cache.read_text())
         if data.get("key") == key:
             return list(data["losses"])
-    result = run_trial(study=study, candidate=baseline_candidate(study.training),
-                       trial_dir=study.output_dir / "reference")
+    candidate = reference_candidate(study)
+    result = run_trial(study=study, candidate=candidate, trial_dir=study.output_dir / "reference")
     if result.outcome is not Outcome.OK:
         raise ReferenceFailed(result)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"key": key, "losses": list(result.losses)}, indent=2) + "\n")
+    tmp.write_text(json.dumps({"key": key, "candidate": candidate.knobs(), "losses": list(result.losses)},
+                              indent=2) + "\n")
     tmp.replace(cache)
     return list(result.losses)

@@ -76,7 +76,14 @@ def _ledger(args: argparse.Namespace) -> int:
 
 
 def _trial(args: argparse.Namespace) -> int:
-    from launchers.trial import ReferenceFailed, check_devices, reference_losses, run_trial, trial_dir_for
+    from launchers.trial import (
+        ReferenceFailed,
+        check_devices,
+        reference_candidate,
+        reference_losses,
+        run_trial,
+        trial_dir_for,
+    )
 
     study = load_study(args.study)
     candidate = _parse_sets(args.set, base=baseline_candidate(study.training))
@@ -90,14 +97,15 @@ def _trial(args: argparse.Namespace) -> int:
                         "trials need model.kind: transformer")
     check_devices(study)
     reference = None
-    if candidate != baseline_candidate(study.training):
+    own_reference = candidate == reference_candidate(study)
+    if not own_reference:
         try:
             reference = reference_losses(study)
         except ReferenceFailed as failed:
             print(f"dsopt: warning: {failed}; loss fidelity is not computed", file=sys.stderr)
     result = run_trial(study=study, candidate=candidate, reference_losses=reference)
-    if reference is None and result.losses and candidate == baseline_candidate(study.training):
-        result = replace(result, loss_fidelity=0.0)  # the baseline is its own reference
+    if own_reference and result.losses:
+        result = replace(result, loss_fidelity=0.0)  # the FP32 reference itself
     data = trial_json(result=result, ledger=verdict.ledger, tolerance=study.trial.tolerance(candidate.precision),
                       trial_dir=str(trial_dir_for(study, candidate)), study=study.name)
     print(json.dumps(data, indent=2) if args.json else trial_table(data))

@@ -135,3 +135,26 @@ def test_the_workload_has_the_ledgers_parameter_count(spec):
     assert max(p.numel() for p in model.parameters()) == largest_tensor_parameters(TransformerModel(**spec))
     tokens = torch.randint(0, spec["vocab_size"], (2, 9))
     assert torch.isfinite(model(tokens))
+
+
+def test_reference_candidate_is_the_baseline_or_its_least_memory_fp32_variant(repo_root, tmp_path):
+    import yaml
+
+    from launchers.trial import reference_candidate
+    from optimizer.errors import UserError
+    from optimizer.ledger import evaluate
+    from optimizer.specs import Precision, baseline_candidate
+    from optimizer.study_file import load_study
+
+    tiny = load_study(repo_root / "studies" / "cpu-tiny.yaml")
+    assert reference_candidate(tiny) == baseline_candidate(tiny.training)
+    demo = load_study(repo_root / "studies" / "demo-cpu.yaml")  # 3 MB per rank: the baseline does not fit
+    chosen = reference_candidate(demo)
+    assert chosen != baseline_candidate(demo.training) and chosen.precision is Precision.FP32
+    assert chosen.micro_batch_size == demo.training.micro_batch_size
+    assert evaluate(candidate=chosen, model=demo.model, hardware=demo.hardware, training=demo.training).fits
+    raw = yaml.safe_load((repo_root / "studies" / "demo-cpu.yaml").read_text())
+    raw["hardware"]["gpu_memory"] = "10 kB"
+    (tmp_path / "none.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(UserError, match="no FP32 configuration"):
+        reference_candidate(load_study(tmp_path / "none.yaml"))
