@@ -18,7 +18,7 @@ from optimizer.knobs import KNOB_NAMES, Candidate, parse_knob
 from optimizer.ledger import evaluate
 from optimizer.ledger_report import all_json, all_table, ledger_json, ledger_table
 from optimizer.specs import SeedModel, baseline_candidate
-from optimizer.storage import redact, storage_error
+from optimizer.storage import load_stored_study, redact
 from optimizer.study_file import StudySpec, load_study
 from optimizer.transformer import parameter_count
 from optimizer.trial_report import trial_json, trial_table
@@ -135,22 +135,9 @@ def _study_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_optuna_study(study: StudySpec, storage: str | None):
-    """The stored Optuna study, or a UserError; never creates a storage just to read it."""
-    import optuna
-
-    if storage is None:
-        path = study.output_dir / "study.db"
-        if not path.exists():
-            raise UserError(source=str(study.path), key="study", why=f"no study storage at {path}; run "
-                            f"'dsopt study run {study.path}' first")
-        storage = f"sqlite:///{path.resolve()}"
-    try:
-        return optuna.load_study(study_name=study.name, storage=storage)
-    except KeyError:
-        raise UserError(source="--storage", key=redact(storage), why=f"no study named {study.name!r} in it") from None
-    except Exception as err:
-        raise storage_error(storage, err) from None
+def _stored(study: StudySpec, storage: str | None):
+    return load_stored_study(name=study.name, default_path=study.output_dir / "study.db", storage=storage,
+                             study_path=study.path)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -158,7 +145,7 @@ def _export(args: argparse.Namespace) -> int:
     from optimizer.pareto import pick_trial
 
     study = load_study(args.study)
-    stored = _load_optuna_study(study, args.storage)
+    stored = _stored(study, args.storage)
     trial = pick_trial(stored, args.pick)
     config = exported_config(spec=study, knobs=trial.user_attrs["candidate"], hf=args.hf)
     out = Path(args.out) if args.out else study.output_dir / f"ds_config.{args.pick.replace('=', '')}" \
@@ -179,7 +166,7 @@ def _pareto(args: argparse.Namespace) -> int:
     from optimizer.pareto_plot import write_html, write_png
 
     study = load_study(args.study)
-    stored = _load_optuna_study(study, args.storage)
+    stored = _stored(study, args.storage)
     out = Path(args.out) if args.out else study.output_dir
     out.mkdir(parents=True, exist_ok=True)
     print(front_table(stored))
@@ -189,45 +176,25 @@ def _pareto(args: argparse.Namespace) -> int:
     return 0
 
 
-DEMO_STUDY = Path(__file__).resolve().parents[1] / "studies" / "demo-cpu.yaml"
-
-
 def _demo(args: argparse.Namespace) -> int:
-    import time
+    from launchers.demo import DEMO_STUDY, run_demo
+    from optimizer.pareto import front_table
 
-    from launchers.study_run import counts, default_storage, run_study
-    from optimizer.export import export_text, exported_config, write_atomically
-    from optimizer.pareto import front_table, pick_trial
-    from optimizer.pareto_plot import write_html, write_png
-
-    start = time.monotonic()
     study = load_study(args.study or DEMO_STUDY)
-    storage = default_storage(study)
-    print(f"dsopt demo: study {study.path} on {study.hardware.gpus_per_node} {study.hardware.accelerator} ranks, "
-          f"until {args.n_trials} trials have finished (storage {storage})", file=sys.stderr)
-    import optuna
-
-    finished = 0
-    if (study.output_dir / "study.db").exists():
-        existing = optuna.load_study(study_name=study.name, storage=storage)
-        finished = sum(1 for t in existing.get_trials(deepcopy=False) if t.state.is_finished())
+    print(f"dsopt demo: {study.path}, {study.hardware.gpus_per_node} {study.hardware.accelerator} ranks, until "
+          f"{args.n_trials} trials have finished", file=sys.stderr)
     try:
-        stored = run_study(spec=study, storage=storage, n_trials=max(0, args.n_trials - finished), timeout_s=None)
+        demo = run_demo(spec=study, n_trials=args.n_trials)
     except KeyboardInterrupt:
         print("dsopt: interrupted; run the demo again to continue", file=sys.stderr)
         return 130
-    print(front_table(stored))
-    trial = pick_trial(stored, "balanced")
-    out = study.output_dir / "ds_config.balanced.json"
-    write_atomically(out, export_text(exported_config(spec=study, knobs=trial.user_attrs["candidate"], hf=False)),
-                     force=True)
-    png, html = write_png(stored, study.output_dir / "pareto.png"), write_html(stored, study.output_dir / "pareto.html")
-    c = counts(stored)
-    print(f"\ntrials: {c['measured']} launched and measured, {c['reused']} reused, {c['pruned']} pruned by the ledger "
-          f"(never launched), {c['failed']} failed; wall time {time.monotonic() - start:.0f} s")
-    print(f"picked (balanced): trial #{trial.number} {trial.user_attrs['candidate']} — {trial.values[0] / 1e6:.3f} MB "
+    c, trial = demo.counts, demo.picked
+    print(front_table(demo.study))
+    print(f"\ntrials: {c['measured']} launched and measured, {c['reused']} reused, {c['pruned']} pruned by the "
+          f"ledger (never launched), {c['failed']} failed; wall time {demo.wall_s:.0f} s")
+    print(f"picked (balanced): trial #{trial.number} {trial.user_attrs['candidate']}: {trial.values[0] / 1e6:.3f} MB "
           f"per rank, {trial.values[1]:,.0f} tokens/s, loss fidelity {trial.user_attrs.get('loss_fidelity', 0):.1e}")
-    print(f"DeepSpeed config: {out}\nPareto plots: {png}, {html}")
+    print(f"DeepSpeed config: {demo.config_path}\nPareto plots: {demo.png_path}, {demo.html_path}")
     return 0
 
 
@@ -270,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     pareto.add_argument("--out", default=None, help="output folder (default: studies/NAME/)")
     pareto.set_defaults(run=_pareto)
     demo = sub.add_parser("demo", help="a small real study on 2 CPU ranks, then export and Pareto plots")
-    demo.add_argument("--study", default=None, help=f"study file (default: {DEMO_STUDY.name})")
+    demo.add_argument("--study", default=None, help="study file (default: studies/demo-cpu.yaml)")
     demo.add_argument("--n-trials", type=int, default=16, help="finished trials to reach (default 16)")
     demo.set_defaults(run=_demo)
     return parser
