@@ -19,11 +19,14 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+STALE_LOCK_S = 120.0
+"""A JIT-build lock this old, with no compiler working in its folder, was left by a killed rank."""
 TERM_GRACE_S = 5.0
 """Seconds between SIGTERM and SIGKILL when a launch is stopped."""
 LAUNCH_ID_VAR = "DSOPT_LAUNCH_ID"
@@ -55,6 +58,7 @@ def build_launch_plan(
     cwd: Path,
     cpu_count: int,
     launch_id: str,
+    extensions_dir: Path,
 ) -> LaunchPlan:
     """The launch plan for ``ranks`` local ranks running ``launchers.trial_rank`` (pure)."""
     argv = (
@@ -69,6 +73,7 @@ def build_launch_plan(
     env["OMP_NUM_THREADS"] = str(max(1, cpu_count // ranks))
     env["TORCHELASTIC_ERROR_FILE"] = str(out_dir / "elastic_error.json")
     env[LAUNCH_ID_VAR] = launch_id
+    env["TORCH_EXTENSIONS_DIR"] = str(extensions_dir)
     if cpu_ranks:
         env["DS_ACCELERATOR"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -94,6 +99,39 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def extensions_dir() -> Path:
+    """Where DeepSpeed's JIT-compiled ops are cached for this environment: ``$TORCH_EXTENSIONS_DIR`` if set,
+    else ``<sys.prefix>/torch_extensions`` — one cache per virtual environment, so two environments do not
+    rebuild each other's ops (torch's default, ``~/.cache/torch_extensions``, is shared by all of them)."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path(sys.prefix) / "torch_extensions")
+
+
+def clear_stale_build_locks(root: Path, *, older_than_s: float = STALE_LOCK_S) -> list[Path]:
+    """Remove JIT-build ``lock`` files left behind by killed ranks.
+
+    torch's ``cpp_extension`` takes ``<op>/lock`` (a ``FileBaton``) on every load, even of a cached op, and
+    every other process waits for it to disappear: a rank killed inside that window (a timeout, Ctrl-C, a
+    crash) would hang every later trial. A lock older than ``older_than_s`` with no process working in its
+    folder is removed.
+    """
+    removed = []
+    if not root.is_dir():
+        return removed
+    busy = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                busy.add(Path(os.readlink(entry / "cwd")))
+    now = time.time()
+    for lock in root.glob("*/*/lock"):
+        with contextlib.suppress(OSError):
+            if now - lock.stat().st_mtime > older_than_s and not any(
+                    folder == lock.parent or lock.parent in folder.parents for folder in busy):
+                lock.unlink()
+                removed.append(lock)
+    return removed
 
 
 def marked_processes(launch_id: str) -> list[int]:
@@ -132,6 +170,8 @@ def stop_launch(launch_id: str, *, grace_s: float = TERM_GRACE_S) -> int:
 def execute(plan: LaunchPlan, *, timeout_s: float, log_path: Path) -> Execution:
     """Run the plan, logging to ``log_path``; stop it at ``timeout_s``; leave no process of it behind."""
     launch_id = plan.env[LAUNCH_ID_VAR]
+    locks_root = Path(plan.env["TORCH_EXTENSIONS_DIR"])
+    clear_stale_build_locks(locks_root)
     start = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(plan.argv, env=plan.env, cwd=plan.cwd, stdout=log, stderr=subprocess.STDOUT,
@@ -151,6 +191,8 @@ def execute(plan: LaunchPlan, *, timeout_s: float, log_path: Path) -> Execution:
     leftover = bool(marked_processes(launch_id))
     if leftover:
         stop_launch(launch_id, grace_s=1.0)
+    if timed_out or returncode != 0:
+        clear_stale_build_locks(locks_root, older_than_s=0.0)  # every rank of this launch is gone now
     return Execution(returncode=returncode, timed_out=timed_out, wall_s=time.monotonic() - start,
                      leftover_killed=leftover)
 

@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from launchers.local import build_launch_plan, execute, free_port, log_tail
+from launchers.local import build_launch_plan, execute, extensions_dir, free_port, log_tail
 from optimizer import __version__
 from optimizer.constraints import invalid_reasons
 from optimizer.ds_config import build_ds_config
@@ -122,7 +122,7 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
         python=sys.executable, ranks=ranks, cpu_ranks=study.hardware.accelerator is Accelerator.CPU,
         master_port=free_port(), plan_path=trial_dir / "plan.json", out_dir=trial_dir, base_env=os.environ,
         pythonpath=[str(PACKAGE_ROOT), str(study.path.parent.resolve())], cwd=PACKAGE_ROOT,
-        cpu_count=os.cpu_count() or 1, launch_id=uuid.uuid4().hex,
+        cpu_count=os.cpu_count() or 1, launch_id=uuid.uuid4().hex, extensions_dir=extensions_dir(),
     )
     log_path = trial_dir / "log.txt"
     run = execute(launch, timeout_s=study.trial.timeout_s, log_path=log_path)

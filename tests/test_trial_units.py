@@ -17,20 +17,22 @@ from optimizer.trial_result import Outcome, loss_fidelity, summarize
 def test_launch_plan_snapshot():
     plan = build_launch_plan(python="/venv/bin/python", ranks=2, cpu_ranks=True, master_port=29511,
                              plan_path=Path("/t/plan.json"), out_dir=Path("/t"), base_env={"PATH": "/bin"},
-                             pythonpath=["/repo", "/studies"], cwd=Path("/repo"), cpu_count=2, launch_id="abc")
+                             pythonpath=["/repo", "/studies"], cwd=Path("/repo"), cpu_count=2, launch_id="abc",
+                             extensions_dir=Path("/venv/torch_extensions"))
     assert plan.argv == ("/venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
                          "2", "--master_addr", "127.0.0.1", "--master_port", "29511", "-m", "launchers.trial_rank",
                          "/t/plan.json", "/t")
     assert plan.env == {"PATH": "/bin", "PYTHONUNBUFFERED": "1", "PYTHONPATH": "/repo:/studies",
                         "OMP_NUM_THREADS": "1", "TORCHELASTIC_ERROR_FILE": "/t/elastic_error.json",
-                        LAUNCH_ID_VAR: "abc", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+                        LAUNCH_ID_VAR: "abc", "TORCH_EXTENSIONS_DIR": "/venv/torch_extensions",
+                        "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     assert plan.cwd == "/repo"
 
 
 def test_gpu_plan_leaves_the_accelerator_alone():
     plan = build_launch_plan(python="py", ranks=4, cpu_ranks=False, master_port=1, plan_path=Path("p"),
                              out_dir=Path("o"), base_env={"PYTHONPATH": "/x"}, pythonpath=["/repo"], cwd=Path("."),
-                             cpu_count=16, launch_id="id")
+                             cpu_count=16, launch_id="id", extensions_dir=Path("/x/ext"))
     assert "DS_ACCELERATOR" not in plan.env and plan.env["PYTHONPATH"] == "/repo:/x"
     assert plan.env["OMP_NUM_THREADS"] == "4"
 
@@ -158,3 +160,20 @@ def test_reference_candidate_is_the_baseline_or_its_least_memory_fp32_variant(re
     (tmp_path / "none.yaml").write_text(yaml.safe_dump(raw))
     with pytest.raises(UserError, match="no FP32 configuration"):
         reference_candidate(load_study(tmp_path / "none.yaml"))
+
+
+def test_stale_build_locks_are_cleared_but_fresh_ones_kept(tmp_path):
+    import os
+    import time
+
+    from launchers.local import clear_stale_build_locks
+
+    stale = tmp_path / "py311_cpu" / "fused_adam" / "lock"
+    fresh = tmp_path / "py311_cpu" / "cpu_adam" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    assert clear_stale_build_locks(tmp_path) == [stale]
+    assert not stale.exists() and fresh.exists()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from launchers.local import clear_stale_build_locks, extensions_dir
 from optimizer.ds_config import build_ds_config
 from optimizer.knobs import Candidate, NoCheckpointing, OffloadDevice, Precision, ZeroStage
 from optimizer.ledger import compute_ledger
@@ -69,7 +70,9 @@ def measured(tmp_path_factory) -> dict[str, dict[str, int]]:
              for c in CASES]
     (work / "cases.json").write_text(json.dumps(cases))
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    clear_stale_build_locks(extensions_dir())
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               TORCH_EXTENSIONS_DIR=str(extensions_dir()))
     argv = [torchrun, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
             str(HERE / "probe_model_states.py"), str(work / "cases.json"), str(work)]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900, check=False)
