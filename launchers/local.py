@@ -90,8 +90,6 @@ class Execution:
     """Killed because it ran past the timeout."""
     wall_s: float
     """Wall time (s)."""
-    leftover_killed: bool
-    """Processes of the group were still alive after the launcher ended and were killed."""
 
 
 def free_port() -> int:
@@ -193,8 +191,7 @@ def execute(plan: LaunchPlan, *, timeout_s: float, log_path: Path) -> Execution:
         stop_launch(launch_id, grace_s=1.0)
     if timed_out or returncode != 0:
         clear_stale_build_locks(locks_root, older_than_s=0.0)  # every rank of this launch is gone now
-    return Execution(returncode=returncode, timed_out=timed_out, wall_s=time.monotonic() - start,
-                     leftover_killed=leftover)
+    return Execution(returncode=returncode, timed_out=timed_out, wall_s=time.monotonic() - start)
 
 
 def log_tail(log_path: Path, *, limit: int = 4000) -> str:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import optuna
 
-from launchers.trial import reference_losses, run_trial, trial_dir_for
+from launchers.trial import reference_key, reference_losses, run_trial, trial_dir_for
 from optimizer.knobs import Candidate
 from optimizer.search import TrialFailed, branches, make_objective, open_study, seed_study
 from optimizer.study_file import StudySpec
@@ -60,13 +60,16 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
               runner: Callable[[Candidate, list[float]], TrialResult] | None = None) -> optuna.Study:
     """Create or resume the study and run up to ``n_trials`` more trials (or until ``timeout_s``)."""
     space = branches(spec)  # validate before anything is written
-    spec.output_dir.mkdir(parents=True, exist_ok=True)
+    if storage == default_storage(spec):
+        spec.output_dir.mkdir(parents=True, exist_ok=True)  # the SQLite file's folder
     study = open_study(spec=spec, storage=storage)
     seed_study(study, spec, space)
+    key = reference_key(spec)
     reference = study.user_attrs.get("reference_losses")
-    if reference is None:
+    if reference is None or study.user_attrs.get("reference_key") != key:  # new study, or its setup changed
         reference = reference_losses(spec)
         study.set_user_attr("reference_losses", reference)
+        study.set_user_attr("reference_key", key)
 
     def launch(candidate: Candidate) -> TrialResult:
         if runner is not None:

@@ -12,6 +12,7 @@ everything that determines it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -66,6 +67,9 @@ def trial_dir_for(study: StudySpec, candidate: Candidate) -> Path:
 
 def check_devices(study: StudySpec) -> None:
     """Refuse (UserError) a study whose ranks this machine cannot provide."""
+    if study.hardware.nodes != 1:
+        raise UserError(source=str(study.path), key="hardware.nodes", why=f"the study spans {study.hardware.nodes} "
+                        "nodes; the local launcher runs one node (multi-node trials need the cluster launcher)")
     if study.hardware.accelerator is Accelerator.CPU:
         return
     import torch
@@ -129,7 +133,7 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
     reports = {}
     for rank in range(ranks):
         path = trial_dir / f"rank{rank}.json"
-        if path.exists():
+        with contextlib.suppress(OSError, json.JSONDecodeError):  # no report: the rank died (outcome crash)
             reports[rank] = json.loads(path.read_text())
     result = summarize(
         rank_reports=reports, world_size=ranks, returncode=run.returncode, timed_out=run.timed_out,

@@ -156,7 +156,9 @@ def main() -> int:
         result = {"rank": rank, "status": classify(error), "error_type": type(error).__name__,
                   "message": str(error)[-2000:], "traceback": traceback.format_exc()[-4000:]}
         code = 1
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    tmp = out_dir / f".rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(result))
+    tmp.replace(out_dir / f"rank{rank}.json")  # a rank killed mid-write leaves no half report
     if dist.is_initialized():
         if code == 0:
             dist.barrier()

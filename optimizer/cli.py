@@ -114,7 +114,7 @@ def _trial(args: argparse.Namespace) -> int:
 
 def _study_run(args: argparse.Namespace) -> int:
     from launchers.study_run import counts, default_storage, run_study
-    from launchers.trial import check_devices
+    from launchers.trial import ReferenceFailed, check_devices
 
     study = load_study(args.study)
     if isinstance(study.model, SeedModel):
@@ -124,6 +124,9 @@ def _study_run(args: argparse.Namespace) -> int:
     storage = args.storage or default_storage(study)
     try:
         result = run_study(spec=study, storage=storage, n_trials=args.n_trials, timeout_s=args.timeout)
+    except ReferenceFailed as failed:
+        print(f"dsopt: {failed}; see {study.output_dir / 'reference' / 'log.txt'}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("dsopt: interrupted; the running trial is recorded as failed — run the same command to continue",
               file=sys.stderr)
@@ -168,7 +171,10 @@ def _pareto(args: argparse.Namespace) -> int:
     study = load_study(args.study)
     stored = _stored(study, args.storage)
     out = Path(args.out) if args.out else study.output_dir
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(source="--out", key=str(out), why=f"cannot create the folder: {err.strerror}") from None
     print(front_table(stored))
     png = write_png(stored, out / "pareto.png")
     html = write_html(stored, out / "pareto.html")
@@ -178,6 +184,7 @@ def _pareto(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from launchers.demo import DEMO_STUDY, run_demo
+    from launchers.trial import ReferenceFailed
     from optimizer.pareto import front_table
 
     study = load_study(args.study or DEMO_STUDY)
@@ -185,6 +192,9 @@ def _demo(args: argparse.Namespace) -> int:
           f"{args.n_trials} trials have finished", file=sys.stderr)
     try:
         demo = run_demo(spec=study, n_trials=args.n_trials)
+    except ReferenceFailed as failed:
+        print(f"dsopt: {failed}; see {study.output_dir / 'reference' / 'log.txt'}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("dsopt: interrupted; run the demo again to continue", file=sys.stderr)
         return 130
@@ -196,6 +206,12 @@ def _demo(args: argparse.Namespace) -> int:
           f"per rank, {trial.values[1]:,.0f} tokens/s, loss fidelity {trial.user_attrs.get('loss_fidelity', 0):.1e}")
     print(f"DeepSpeed config: {demo.config_path}\nPareto plots: {demo.png_path}, {demo.html_path}")
     return 0
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     study_sub = study.add_subparsers(dest="study_command", required=True)
     study_run = study_sub.add_parser("run", help="create or resume a study and run trials")
     study_run.add_argument("study", help="study file")
-    study_run.add_argument("--n-trials", type=int, default=None, help="trials to run in this invocation")
+    study_run.add_argument("--n-trials", type=_positive_int, default=None, help="trials to run in this invocation")
     study_run.add_argument("--timeout", type=float, default=None, help="stop starting trials after S seconds")
     study_run.add_argument("--storage", default=None,
                            help="Optuna storage URL (default: sqlite file under studies/NAME/)")
@@ -238,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     pareto.set_defaults(run=_pareto)
     demo = sub.add_parser("demo", help="a small real study on 2 CPU ranks, then export and Pareto plots")
     demo.add_argument("--study", default=None, help="study file (default: studies/demo-cpu.yaml)")
-    demo.add_argument("--n-trials", type=int, default=16, help="finished trials to reach (default 16)")
+    demo.add_argument("--n-trials", type=_positive_int, default=16, help="finished trials to reach (default 16)")
     demo.set_defaults(run=_demo)
     return parser
 

@@ -47,13 +47,21 @@ def exported_config(*, spec: StudySpec, knobs: dict[str, Any], hf: bool) -> dict
 
 def write_atomically(path: Path, text: str, *, force: bool) -> None:
     """Write ``text`` to ``path`` via a temporary file and a rename; refuse to overwrite unless ``force``."""
+    if path.is_dir():
+        raise UserError(source="--out", key=str(path), why="is a directory; give a file path")
     if path.exists() and not force:
         raise UserError(source="--out", key=str(path), why="exists; pass --force to overwrite")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as err:
+        raise UserError(source="--out", key=str(path), why=f"cannot write there: {err.strerror}") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; an exported config is meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -73,12 +73,13 @@ def _rows(rows: Sequence[tuple[str, str, int]], *, indent: str = "  ") -> list[s
     return [f"{indent}{name:<{name_w}}  {formula:<{formula_w}}  {num / GB:9.3f}" for name, formula, num in rows]
 
 
-def _other_phases(ledger: Ledger, location: Location) -> list[str]:
+def _other_phases(ledger: Ledger, location: Location | tuple[Location, ...]) -> list[str]:
     """The transient phases of ``location`` that are not its peak, with their items."""
     peak = ledger.peak_phase_at(location)
+    where = location if isinstance(location, tuple) else (location,)
     lines: list[str] = []
     for phase in Phase:
-        items = [i for i in ledger.items if i.location is location and i.phase is phase]
+        items = [i for i in ledger.items if i.location in where and i.phase is phase]
         if phase is Phase.ALWAYS or phase is peak or not items:
             continue
         if not lines:
@@ -86,11 +87,11 @@ def _other_phases(ledger: Ledger, location: Location) -> list[str]:
         if phase is Phase.INIT:
             lines.append(f"    {phase.value}: {sum(i.bytes for i in items) / GB:.3f} GB (nothing else allocated yet)")
         else:
-            always = sum(i.bytes for i in ledger.items if i.location is location and i.phase is Phase.ALWAYS)
+            always = sum(i.bytes for i in ledger.items if i.location in where and i.phase is Phase.ALWAYS)
             total = always + sum(i.bytes for i in items)
             if peak is Phase.INIT:  # the always-live items are not in the peak listing: show them here
                 lines.append(f"    {phase.value}: {total / GB:.3f} GB")
-                items = [i for i in ledger.items if i.location is location and i.phase is Phase.ALWAYS] + items
+                items = [i for i in ledger.items if i.location in where and i.phase is Phase.ALWAYS] + items
             else:
                 lines.append(f"    {phase.value}: {total / GB:.3f} GB with the always-live items")
         lines += _rows([(i.name, i.formula, i.bytes) for i in items], indent="      ")
@@ -133,7 +134,7 @@ def ledger_table(ledger: Ledger, *, study: str, psi: int) -> str:
         lines += _rows([(i.name, i.formula, i.bytes) for i in ledger.peak_items_at(where)])
         cap_text = "?" if capacity is None else f"{capacity / GB:.2f} GB"
         lines.append(f"  needed {total / GB:.3f} GB of {cap_text}: {_fit_word(fits)}")
-        lines += _other_phases(ledger, location)
+        lines += _other_phases(ledger, where)
     lines += ["", f"Verdict: {'FITS' if ledger.fits else 'DOES NOT FIT'}"
               + ("" if ledger.fits else f" — {'; '.join(ledger.verdict_reasons())}")]
     sources = sorted({i.source for i in ledger.items})

@@ -55,7 +55,7 @@ def parse_search_space(raw: object, *, source: str, key_prefix: str = "") -> Sea
     if not isinstance(raw, Mapping):
         why = f"expected a mapping with 'knobs', got {type(raw).__name__}"
         raise UserError(source=source, key=key_prefix, why=why)
-    unknown = sorted(set(raw) - {"knobs", "description"})
+    unknown = sorted(set(raw) - {"knobs", "description"}, key=str)
     if unknown:
         raise UserError(source=source, key=f"{prefix}{unknown[0]}", why="unknown key; allowed: knobs, description")
     knobs = raw.get("knobs")

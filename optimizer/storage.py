@@ -30,6 +30,8 @@ def load_stored_study(*, name: str, default_path: Path, storage: str | None, stu
             raise UserError(source=str(study_path), key="study", why=f"no study storage at {default_path}; run "
                             f"'dsopt study run {study_path}' first")
         storage = f"sqlite:///{default_path.resolve()}"
+    elif storage.startswith("sqlite:///") and not Path(storage.removeprefix("sqlite:///")).exists():
+        raise UserError(source="--storage", key=storage, why="no such SQLite file (reading never creates one)")
     try:
         return optuna.load_study(study_name=name, storage=storage)
     except KeyError:

@@ -315,6 +315,8 @@ def _read_yaml(path: Path, *, what: str) -> object:
         raise UserError(source=str(path), key="", why=f"{what} not found") from None
     except OSError as err:
         raise UserError(source=str(path), key="", why=f"cannot read {what}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise UserError(source=str(path), key="", why=f"the {what} is not UTF-8 text") from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as err:
@@ -361,5 +363,5 @@ def load_study(path: str | Path) -> StudySpec:
         raise UserError(source=source, key="training.micro_batch_size",
                         why=f"the baseline micro-batch {training.micro_batch_size} x {hardware.world_size} ranks = "
                             f"{per_step} does not divide global_batch_size={training.global_batch_size}")
-    return StudySpec(name=name, path=study_path, model=model, hardware=hardware, training=training,
+    return StudySpec(name=name, path=study_path.resolve(), model=model, hardware=hardware, training=training,
                      search_space=space, trial=trial)

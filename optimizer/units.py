@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 
 GB = 10**9
 GiB = 2**30
@@ -35,7 +36,7 @@ def parse_bytes(value: object) -> int:
     if isinstance(value, bool):
         raise ValueError(f"expected a byte quantity, got {value!r}")
     if isinstance(value, int):
-        number: float = value
+        number: float | Fraction = value
         scale = 1
     elif isinstance(value, float):
         number, scale = value, 1
@@ -43,7 +44,7 @@ def parse_bytes(value: object) -> int:
         match = _QUANTITY.match(value)
         if match is None:
             raise ValueError(f"expected a byte quantity such as '24 GB' or '80 GiB', got {value!r}")
-        number = float(match.group(1))
+        number = Fraction(match.group(1))  # exact: "4.1 GB" is 4_100_000_000 bytes, not 4.1 * 1e9 in floats
         unit = match.group(2).lower() or "b"
         if unit not in _UNITS:
             raise ValueError(
@@ -53,7 +54,7 @@ def parse_bytes(value: object) -> int:
     else:
         raise ValueError(f"expected a byte quantity, got {type(value).__name__} {value!r}")
     total = number * scale
-    if not math.isfinite(total) or total < 0:
+    if (isinstance(total, float) and not math.isfinite(total)) or total < 0:
         raise ValueError(f"expected a non-negative byte quantity, got {value!r}")
     if total != int(total):
         raise ValueError(f"{value!r} is not a whole number of bytes")
@@ -78,16 +79,6 @@ def parse_count(value: object) -> int:
     if not math.isfinite(number) or number < 0 or number != int(number):
         raise ValueError(f"expected a whole, non-negative number, got {value!r}")
     return int(number)
-
-
-def format_gb(num_bytes: int, *, digits: int = 2) -> str:
-    """``num_bytes`` in decimal gigabytes (10^9), e.g. ``'26.00 GB'``."""
-    return f"{num_bytes / GB:.{digits}f} GB"
-
-
-def format_gib(num_bytes: int, *, digits: int = 2) -> str:
-    """``num_bytes`` in binary gibibytes (2^30), e.g. ``'24.21 GiB'``."""
-    return f"{num_bytes / GiB:.{digits}f} GiB"
 
 
 def format_size(num_bytes: int) -> str:
