@@ -59,14 +59,41 @@ def build_launch_plan(
     cpu_count: int,
     launch_id: str,
     extensions_dir: Path,
+    parent_pid: int | None = None,
+    nodes: int = 1,
+    head_host: str = "127.0.0.1",
+    srun: str = "srun",
+    slurm_nodes: int | None = None,
 ) -> LaunchPlan:
-    """The launch plan for ``ranks`` local ranks running ``launchers.trial_rank`` (pure)."""
-    argv = (
-        python, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc_per_node", str(ranks),
-        "--master_addr", "127.0.0.1", "--master_port", str(master_port),
-        "-m", "launchers.trial_rank", str(plan_path), str(out_dir),
-    )
+    """The launch plan for ``ranks`` ranks per node running ``launchers.trial_rank`` (pure).
+
+    One node: torchrun with a static master on loopback. Several nodes (``nodes`` > 1, inside a SLURM
+    allocation): ``srun`` starts one torchrun agent per node (``--ntasks-per-node=1``) and the agents meet
+    through torchrun's c10d rendezvous at ``head_host:master_port`` (the worker's own node, first of the
+    allocation), which assigns node ranks — no hostfile, pdsh or ssh. ``slurm_nodes`` (default ``nodes``) is
+    how many SLURM nodes carry the agents; fewer than ``nodes`` packs several agents per node (used to test
+    the multi-node path on one machine). With ``parent_pid`` the launcher runs under
+    :mod:`launchers.orphan_guard`, so that it dies with the worker.
+    """
+    trial_args = ("-m", "launchers.trial_rank", str(plan_path), str(out_dir))
+    if nodes == 1:
+        argv: tuple[str, ...] = (
+            python, "-m", "torch.distributed.run",
+            "--nnodes", "1", "--nproc_per_node", str(ranks),
+            "--master_addr", "127.0.0.1", "--master_port", str(master_port), *trial_args,
+        )
+    else:
+        hosts = slurm_nodes or nodes
+        argv = (
+            srun, f"--nodes={hosts}", f"--ntasks={nodes}", f"--ntasks-per-node={-(-nodes // hosts)}",
+            "--kill-on-bad-exit=1", "--export=ALL", f"--job-name=dsopt-trial-{launch_id[:8]}",
+            python, "-m", "torch.distributed.run",
+            "--nnodes", str(nodes), "--nproc_per_node", str(ranks),
+            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{head_host}:{master_port}", "--rdzv_id", launch_id,
+            *trial_args,
+        )
+    if parent_pid is not None:
+        argv = (python, "-m", "launchers.orphan_guard", str(parent_pid), *argv)
     env = dict(base_env)
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([*pythonpath, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])

@@ -1,23 +1,63 @@
-"""Run a study: open the Optuna storage, seed it once, make sure the FP32 reference exists, optimise.
+"""Run a study — one process (``dsopt study run``) or one of many workers (``dsopt worker``).
 
-The glue between :mod:`optimizer.search` (pure Optuna logic) and :mod:`launchers.trial` (the launches).
-Progress is one line per finished trial on stderr: trials done, pruned, failed, reused, and the best so far.
+The glue between :mod:`optimizer.search` (pure Optuna logic), :mod:`optimizer.coordination` (shared-storage
+rules) and :mod:`launchers.trial` (the launches). A worker:
+
+1. opens the storage and creates or joins the study;
+2. sets it up once per study file (setup lease): enqueues the ledger's most promising candidates and runs
+   the FP32 reference; the other workers wait for it;
+3. runs one trial at a time until its own ``--n-trials``/``--timeout``, the study's global budget, or the
+   search space is exhausted (every candidate that fits has a final result). When the only candidates left
+   are being launched by other workers it waits instead of sampling. With a heartbeat storage it fails the
+   trials of dead workers first (Optuna's ``fail_stale_trials``), which puts them back in the queue.
+
+Progress is one line per finished trial on stderr: the worker, trials measured, reused, pruned, failed,
+running, and the best so far.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
+import time
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import optuna
 
 from launchers.trial import reference_key, reference_losses, run_trial, trial_dir_for
+from optimizer.coordination import (
+    CREATED_ATTR,
+    LEASE_REFRESH_S,
+    WORKER_ATTR,
+    SetupLease,
+    budget_spent,
+    now_utc,
+    worker_id,
+)
+from optimizer.errors import UserError
 from optimizer.knobs import Candidate
-from optimizer.search import TrialFailed, branches, make_objective, open_study, seed_study
+from optimizer.ledger import evaluate
+from optimizer.search import (
+    Branches,
+    LaunchGate,
+    TrialFailed,
+    branches,
+    candidate_key,
+    in_space,
+    make_objective,
+    open_study,
+    seed_study,
+)
+from optimizer.specs import baseline_candidate
+from optimizer.storage import StorageKind, redact, storage_kind
 from optimizer.study_file import StudySpec
 from optimizer.trial_result import TrialResult
 
 TrialState = optuna.trial.TrialState
+WAIT_S = 2.0
+"""Poll interval while waiting for another worker (setup, or the last candidates in flight)."""
 
 
 def default_storage(spec: StudySpec) -> str:
@@ -25,9 +65,9 @@ def default_storage(spec: StudySpec) -> str:
     return f"sqlite:///{(spec.output_dir / 'study.db').resolve()}"
 
 
-def counts(study: optuna.Study) -> dict[str, int]:
-    """Finished trials by kind: measured, reused, pruned, failed, running."""
-    trials = study.get_trials(deepcopy=False)
+def counts(study: optuna.Study, *, trials: list[optuna.trial.FrozenTrial] | None = None) -> dict[str, int]:
+    """Trials by kind: measured, reused, pruned, failed, running."""
+    trials = study.get_trials(deepcopy=False) if trials is None else trials
     complete = [t for t in trials if t.state is TrialState.COMPLETE]
     return {
         "measured": sum(1 for t in complete if "reused_from" not in t.user_attrs),
@@ -51,33 +91,155 @@ def _progress(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
     best = study.best_trials
     fastest = max(best, key=lambda t: t.values[1]) if best else None
     best_text = f"fastest feasible #{fastest.number} {fastest.values[1]:,.0f} tokens/s" if fastest else "none yet"
-    print(f"[trial {frozen.number}] {what} {knobs} | measured {c['measured']} reused {c['reused']} pruned "
-          f"{c['pruned']} failed {c['failed']} running {c['running']} | best: {best_text}", file=sys.stderr,
-          flush=True)
+    print(f"[{frozen.user_attrs.get(WORKER_ATTR, '?')} trial {frozen.number}] {what} {knobs} | measured "
+          f"{c['measured']} reused {c['reused']} pruned {c['pruned']} failed {c['failed']} running {c['running']} "
+          f"| best: {best_text}", file=sys.stderr, flush=True)
+
+
+def _say(worker: str, text: str) -> None:
+    print(f"[{worker}] {text}", file=sys.stderr, flush=True)
+
+
+def setup_study(*, study: optuna.Study, spec: StudySpec, space: Branches, worker: str,
+                reference: Callable[[], list[float]], wait_s: float = WAIT_S) -> list[float]:
+    """Seed the study and obtain the FP32 reference losses exactly once per study file (setup lease);
+    returns the reference losses. Other workers wait for the holder; a dead holder's lease is taken over."""
+    lease = SetupLease(study, key=reference_key(spec), worker=worker)
+    announced = False
+    while not lease.ready():
+        if lease.acquire():
+            stop = threading.Event()
+            refresher = threading.Thread(target=_refresh, args=(lease, stop), daemon=True)
+            refresher.start()
+            try:
+                if CREATED_ATTR not in study.user_attrs:
+                    study.set_user_attr(CREATED_ATTR, now_utc().isoformat())
+                enqueued = seed_study(study, spec, space)
+                _say(worker, f"setting up the study: {enqueued} candidate(s) enqueued, FP32 reference run")
+                study.set_user_attr("reference_losses", reference())
+                study.set_user_attr("reference_key", lease.key)
+                lease.finish()
+            finally:
+                stop.set()
+                refresher.join()
+            break
+        if not announced:
+            _say(worker, f"waiting for {lease.holder()} to set the study up")
+            announced = True
+        time.sleep(wait_s)
+    return list(study.user_attrs["reference_losses"])
+
+
+def _fail_stale(study: optuna.Study) -> None:
+    """Optuna's ``fail_stale_trials`` (experimental since 2.9; stable in practice): fail the trials of dead
+    workers and run the retry callback."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
+def _refresh(lease: SetupLease, stop: threading.Event) -> None:
+    while not stop.wait(LEASE_REFRESH_S):
+        lease.refresh()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StopReason:
+    """Why a worker stopped."""
+
+    text: str
+    """One line for the user."""
+
+
+def _fitting_keys(spec: StudySpec, space: Branches) -> set[str]:
+    base = baseline_candidate(spec.training)
+    keys = set()
+    for candidate in spec.search_space.candidates(base):
+        if in_space(candidate, space) and evaluate(candidate=candidate, model=spec.model, hardware=spec.hardware,
+                                                    training=spec.training).fits:
+            keys.add(candidate_key(candidate))
+    return keys
+
+
+def _final_keys(trials: list[optuna.trial.FrozenTrial]) -> set[str]:
+    """Candidates with a final result: measured, or failed with a classified outcome."""
+    return {t.user_attrs["candidate_key"] for t in trials if "candidate_key" in t.user_attrs and (
+        (t.state is TrialState.COMPLETE and "loss_fidelity" in t.user_attrs)
+        or (t.state is TrialState.FAIL and "outcome" in t.user_attrs))}
 
 
 def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s: float | None,
-              runner: Callable[[Candidate, list[float]], TrialResult] | None = None) -> optuna.Study:
-    """Create or resume the study and run up to ``n_trials`` more trials (or until ``timeout_s``)."""
+              runner: Callable[[Candidate, list[float]], TrialResult] | None = None,
+              parallel: bool = False) -> optuna.Study:
+    """Create or join the study on ``storage`` and run trials until a limit is reached (module doc).
+
+    ``parallel`` (``dsopt worker``): other workers may share the storage, so SQLite is refused.
+    """
     space = branches(spec)  # validate before anything is written
+    kind = storage_kind(storage)
+    if parallel and kind is StorageKind.SQLITE:
+        raise UserError(source="--storage", key=redact(storage), why="SQLite is single-process: several workers "
+                        "need postgresql+psycopg://... or journal:///shared/file.log (one process: 'dsopt study run')")
     if storage == default_storage(spec):
         spec.output_dir.mkdir(parents=True, exist_ok=True)  # the SQLite file's folder
+    worker = worker_id()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = open_study(spec=spec, storage=storage)
-    seed_study(study, spec, space)
-    key = reference_key(spec)
-    reference = study.user_attrs.get("reference_losses")
-    if reference is None or study.user_attrs.get("reference_key") != key:  # new study, or its setup changed
-        reference = reference_losses(spec)
-        study.set_user_attr("reference_losses", reference)
-        study.set_user_attr("reference_key", key)
+    reference = setup_study(study=study, spec=spec, space=space, worker=worker,
+                            reference=lambda: reference_losses(spec))
 
     def launch(candidate: Candidate) -> TrialResult:
         if runner is not None:
             return runner(candidate, reference)
         return run_trial(study=spec, candidate=candidate, reference_losses=reference)
 
-    objective = make_objective(spec=spec, space=space, runner=launch,
+    fail_stale = _fail_stale if kind is StorageKind.POSTGRESQL else None
+    gate = LaunchGate(budget=spec.budget, worker=worker, created_at=study.user_attrs.get(CREATED_ATTR),
+                      fail_stale=fail_stale)
+    objective = make_objective(spec=spec, space=space, runner=launch, gate=gate,
                                artifact_dir=lambda candidate: str(trial_dir_for(spec, candidate)))
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study.optimize(objective, n_trials=n_trials, timeout=timeout_s, catch=(TrialFailed,), callbacks=[_progress])
+    fitting = _fitting_keys(spec, space)
+    start = time.monotonic()
+    ran = 0
+    announced_wait = False
+    while True:
+        stop = _stop_reason(study=study, spec=spec, gate=gate, fitting=fitting, ran=ran, n_trials=n_trials,
+                            elapsed_s=time.monotonic() - start, timeout_s=timeout_s, fail_stale=fail_stale)
+        if stop == "wait":
+            if not announced_wait:
+                _say(worker, "every remaining candidate is being run by another worker; waiting")
+                announced_wait = True
+            time.sleep(WAIT_S)
+            continue
+        if stop is not None:
+            _say(worker, f"stopping: {stop.text}")
+            break
+        announced_wait = False
+        study.optimize(objective, n_trials=1, catch=(TrialFailed,), callbacks=[_progress])
+        ran += 1
     return study
+
+
+def _stop_reason(*, study: optuna.Study, spec: StudySpec, gate: LaunchGate, fitting: set[str], ran: int,
+                 n_trials: int | None, elapsed_s: float, timeout_s: float | None,
+                 fail_stale: Callable[[optuna.Study], None] | None) -> StopReason | str | None:
+    """A StopReason, ``"wait"`` (only candidates in flight elsewhere are left), or None (run a trial)."""
+    if n_trials is not None and ran >= n_trials:
+        return StopReason(text=f"this worker ran its {n_trials} trial(s)")
+    if timeout_s is not None and elapsed_s >= timeout_s:
+        return StopReason(text=f"this worker's --timeout of {timeout_s:g} s has passed")
+    if fail_stale is not None:
+        fail_stale(study)
+    trials = study.get_trials(deepcopy=False)
+    spent = budget_spent(trials=trials, budget=spec.budget, created_at=gate.created_at, now=now_utc())
+    if spent:
+        return StopReason(text=f"the study's budget is spent: {spent}")
+    left = fitting - _final_keys(trials)
+    if not left:
+        return StopReason(text=f"the search space is exhausted: all {len(fitting)} fitting candidate(s) have a "
+                               "result")
+    waiting = any(t.state is TrialState.WAITING for t in trials)
+    in_flight = {t.user_attrs.get("candidate_key") for t in trials if t.state is TrialState.RUNNING}
+    if not waiting and left <= in_flight:
+        return "wait"
+    return None

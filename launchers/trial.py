@@ -17,14 +17,17 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
+import socket
 import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
-from launchers.local import build_launch_plan, execute, extensions_dir, free_port, log_tail
+from launchers.local import LAUNCH_ID_VAR, build_launch_plan, execute, extensions_dir, free_port, log_tail
 from optimizer import __version__
 from optimizer.constraints import invalid_reasons
+from optimizer.coordination import now_utc, worker_id
 from optimizer.ds_config import build_ds_config
 from optimizer.errors import UserError
 from optimizer.knobs import Candidate, FullCheckpointing, OffloadDevice, ZeroStage
@@ -65,11 +68,36 @@ def trial_dir_for(study: StudySpec, candidate: Candidate) -> Path:
     return study.output_dir / "trials" / candidate_slug(candidate)
 
 
+def slurm_nodes_available() -> int:
+    """Nodes of the SLURM allocation this process runs in (0 outside SLURM or without ``srun``)."""
+    if not os.environ.get("SLURM_JOB_ID") or shutil.which("srun") is None:
+        return 0
+    try:
+        return int(os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or "1")
+    except ValueError:
+        return 0
+
+
+def multi_node_problem(study: StudySpec, *, slurm_nodes: int | None = None) -> str | None:
+    """Why this process cannot start the study's multi-node trials (on ``slurm_nodes`` SLURM nodes, default
+    one per node of the study), or None."""
+    nodes = study.hardware.nodes
+    if nodes == 1:
+        return None
+    available = slurm_nodes_available()
+    if available >= (slurm_nodes or nodes):
+        return None
+    where = f"this SLURM allocation has {available} node(s)" if available else "this process is not inside a " \
+        "SLURM allocation with srun"
+    return (f"the study spans {nodes} nodes and {where}: multi-node trials are started with srun inside an "
+            f"allocation of {nodes} nodes (dsopt slurm submit asks for them)")
+
+
 def check_devices(study: StudySpec) -> None:
     """Refuse (UserError) a study whose ranks this machine cannot provide."""
-    if study.hardware.nodes != 1:
-        raise UserError(source=str(study.path), key="hardware.nodes", why=f"the study spans {study.hardware.nodes} "
-                        "nodes; the local launcher runs one node (multi-node trials need the cluster launcher)")
+    problem = multi_node_problem(study)
+    if problem:
+        raise UserError(source=str(study.path), key="hardware.nodes", why=problem)
     if study.hardware.accelerator is Accelerator.CPU:
         return
     import torch
@@ -98,10 +126,13 @@ def rank_plan(*, study: StudySpec, candidate: Candidate) -> dict[str, Any]:
 
 
 def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None = None,
-              reference_losses: list[float] | None = None, ds_config: dict[str, Any] | None = None) -> TrialResult:
-    """Run ``candidate`` for real on this node's devices (CPU ranks when the study says ``cpu``).
+              reference_losses: list[float] | None = None, ds_config: dict[str, Any] | None = None,
+              slurm_nodes: int | None = None) -> TrialResult:
+    """Run ``candidate`` for real on this node's devices (CPU ranks when the study says ``cpu``), or across
+    the nodes of the SLURM allocation when the study spans several (see :func:`launchers.local.build_launch_plan`).
 
-    ``ds_config`` replaces the built config (e.g. to train with an exported JSON file as it is).
+    ``ds_config`` replaces the built config (e.g. to train with an exported JSON file as it is);
+    ``slurm_nodes`` packs a multi-node trial onto fewer SLURM nodes (tests on a one-node cluster).
     """
     reasons = invalid_reasons(candidate=candidate, model=study.model, hardware=study.hardware,
                               training=study.training)
@@ -109,9 +140,9 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
         return TrialResult(outcome=Outcome.INVALID, message="; ".join(reasons))
     if not isinstance(study.model, TransformerModel):
         return TrialResult(outcome=Outcome.INVALID, message="a seed-mode model has no shape to run")
-    if study.hardware.nodes != 1:
-        return TrialResult(outcome=Outcome.INVALID, message="multi-node trials are not supported by the local "
-                           "launcher (they come with the cluster launcher)")
+    problem = multi_node_problem(study, slurm_nodes=slurm_nodes)
+    if problem:
+        return TrialResult(outcome=Outcome.INVALID, message=problem)
     trial_dir = trial_dir or trial_dir_for(study, candidate)
     trial_dir.mkdir(parents=True, exist_ok=True)
     for stale in trial_dir.glob("rank*.json"):
@@ -121,14 +152,21 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
         plan["config"] = ds_config
     (trial_dir / "ds_config.json").write_text(json.dumps(plan["config"], indent=2) + "\n")
     (trial_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
-    ranks = study.hardware.gpus_per_node
+    ranks = study.hardware.world_size
+    nodes = study.hardware.nodes
     launch = build_launch_plan(
-        python=sys.executable, ranks=ranks, cpu_ranks=study.hardware.accelerator is Accelerator.CPU,
+        python=sys.executable, ranks=study.hardware.gpus_per_node,
+        cpu_ranks=study.hardware.accelerator is Accelerator.CPU,
         master_port=free_port(), plan_path=trial_dir / "plan.json", out_dir=trial_dir, base_env=os.environ,
         pythonpath=[str(PACKAGE_ROOT), str(study.path.parent.resolve())], cwd=PACKAGE_ROOT,
         cpu_count=os.cpu_count() or 1, launch_id=uuid.uuid4().hex, extensions_dir=extensions_dir(),
+        parent_pid=os.getpid(), nodes=nodes, head_host=socket.gethostname() if nodes > 1 else "127.0.0.1",
+        slurm_nodes=slurm_nodes,
     )
     log_path = trial_dir / "log.txt"
+    record = {"launch_id": launch.env[LAUNCH_ID_VAR], "candidate": candidate.knobs(), "worker": worker_id(),
+              "trial_dir": str(trial_dir)}
+    append_launch_record(study, {**record, "event": "start", "at": now_utc().isoformat()})
     run = execute(launch, timeout_s=study.trial.timeout_s, log_path=log_path)
     reports = {}
     for rank in range(ranks):
@@ -143,7 +181,21 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
     if result.outcome is Outcome.OK:
         result = dataclasses.replace(result, log_tail="")
     (trial_dir / "result.json").write_text(json.dumps(result_json(result), indent=2) + "\n")
+    append_launch_record(study, {**record, "event": "end", "at": now_utc().isoformat(),
+                                 "outcome": result.outcome.value, "wall_s": round(run.wall_s, 3)})
     return result
+
+
+def append_launch_record(study: StudySpec, record: dict[str, Any]) -> None:
+    """Append one line to ``studies/<name>/launches.jsonl``: every real launch's start and end, by any worker
+    (one ``O_APPEND`` write per line, so concurrent workers on one filesystem do not interleave lines)."""
+    study.output_dir.mkdir(parents=True, exist_ok=True)
+    line = (json.dumps(record, sort_keys=True) + "\n").encode()
+    fd = os.open(study.output_dir / "launches.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
 
 
 def result_json(result: TrialResult) -> dict[str, Any]:

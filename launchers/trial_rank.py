@@ -20,6 +20,7 @@ import json
 import math
 import os
 import resource
+import signal
 import sys
 import time
 import traceback
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from launchers.cpu_memory import live_tensor_peak, start_cpu_profiler
+from launchers.orphan_guard import die_with_parent
 from launchers.workload import build_workload
 
 UNSUPPORTED_MARK = "is not supported on your device"
@@ -146,6 +148,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
 
 
 def main() -> int:
+    die_with_parent(signal.SIGKILL)  # torchrun SIGKILLed: its ranks go too (launchers/orphan_guard.py)
     plan = json.loads(Path(sys.argv[1]).read_text())
     out_dir = Path(sys.argv[2])
     rank = int(os.environ.get("RANK", "0"))

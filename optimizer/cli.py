@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -138,6 +139,75 @@ def _study_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(args: argparse.Namespace) -> int:
+    from launchers.slurm import STORAGE_VAR
+    from launchers.study_run import counts, run_study
+    from launchers.trial import ReferenceFailed, check_devices
+
+    study = load_study(args.study)
+    storage = args.storage or os.environ.get(STORAGE_VAR)
+    if not storage:
+        raise UserError(source="--storage", key="", why=f"a worker joins a shared storage: give --storage URL or set "
+                        f"${STORAGE_VAR} (postgresql+psycopg://USER@HOST/DB or journal:///shared/file.log)")
+    if isinstance(study.model, SeedModel):
+        raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to run; "
+                        "studies need model.kind: transformer")
+    check_devices(study)
+    try:
+        result = run_study(spec=study, storage=storage, n_trials=args.n_trials, timeout_s=args.timeout,
+                           parallel=True)
+    except ReferenceFailed as failed:
+        print(f"dsopt: {failed}; see {study.output_dir / 'reference' / 'log.txt'}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("dsopt: interrupted; this worker's running trial is recorded as failed", file=sys.stderr)
+        return 130
+    c = counts(result)
+    print(f"study {study.name} (all workers): {c['measured']} measured, {c['reused']} reused, {c['pruned']} pruned, "
+          f"{c['failed']} failed, {c['running']} running; storage {redact(storage)}")
+    return 0
+
+
+def _slurm_submit(args: argparse.Namespace) -> int:
+    from launchers.slurm import STORAGE_VAR, submit
+
+    study = load_study(args.study)
+    if isinstance(study.model, SeedModel):
+        raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to run; "
+                        "studies need model.kind: transformer")
+    storage = args.storage or os.environ.get(STORAGE_VAR)
+    done = submit(spec=study, workers=args.workers, storage=storage, dry_run=args.dry_run)
+    if done.job_id is None:
+        print(done.script, end="")
+        return 0
+    print(f"submitted job array {done.job_id}: {args.workers} worker(s) on study {study.name} "
+          f"(storage {redact(storage or '')})")
+    print(f"script: {done.script_path}; logs: {done.script_path.parent}/{done.job_id}_<task>.out")
+    print(f"watch: dsopt slurm status {args.study} --storage '<URL>'   (or squeue -j {done.job_id})")
+    return 0
+
+
+def _slurm_status(args: argparse.Namespace) -> int:
+    from launchers.slurm import STORAGE_VAR, job_lines, load_for_status, worker_table
+
+    study = load_study(args.study)
+    storage = args.storage or os.environ.get(STORAGE_VAR)
+    if not storage:
+        raise UserError(source="--storage", key="", why=f"give --storage URL or set ${STORAGE_VAR}")
+    stored = load_for_status(study, storage)
+    best = stored.best_trials
+    print(f"study {study.name} on {redact(storage)}")
+    print(worker_table(stored))
+    if best:
+        fastest = max(best, key=lambda t: t.values[1])
+        print(f"feasible Pareto front: {len(best)} trial(s); fastest #{fastest.number} {fastest.values[1]:,.0f} "
+              f"tokens/s at {fastest.values[0] / 1e6:.2f} MB per rank (10^6 bytes)")
+    else:
+        print("feasible Pareto front: empty so far")
+    print("\n".join(job_lines(study)))
+    return 0
+
+
 def _stored(study: StudySpec, storage: str | None):
     return load_stored_study(name=study.name, default_path=study.output_dir / "study.db", storage=storage,
                              study_path=study.path)
@@ -239,6 +309,26 @@ def build_parser() -> argparse.ArgumentParser:
     study_run.add_argument("--storage", default=None,
                            help="Optuna storage URL (default: sqlite file under studies/NAME/)")
     study_run.set_defaults(run=_study_run)
+    worker = sub.add_parser("worker", help="join a study on a shared storage and run trials until its budget "
+                            "is spent")
+    worker.add_argument("study", help="study file")
+    worker.add_argument("--storage", default=None, help="shared Optuna storage URL (default: $DSOPT_STORAGE); "
+                        "postgresql+psycopg://... or journal:///shared/file.log")
+    worker.add_argument("--n-trials", type=_positive_int, default=None, help="at most N trials in this worker")
+    worker.add_argument("--timeout", type=float, default=None, help="stop starting trials after S seconds")
+    worker.set_defaults(run=_worker)
+    slurm = sub.add_parser("slurm", help="run the study's workers as a SLURM job array")
+    slurm_sub = slurm.add_subparsers(dest="slurm_command", required=True)
+    slurm_submit = slurm_sub.add_parser("submit", help="write the sbatch script and submit it")
+    slurm_submit.add_argument("study", help="study file (its slurm section holds the sbatch options)")
+    slurm_submit.add_argument("--workers", type=_positive_int, required=True, help="array tasks (one worker each)")
+    slurm_submit.add_argument("--storage", default=None, help="shared storage URL (default: $DSOPT_STORAGE)")
+    slurm_submit.add_argument("--dry-run", action="store_true", help="print the script; submit nothing")
+    slurm_submit.set_defaults(run=_slurm_submit)
+    slurm_status = slurm_sub.add_parser("status", help="trials per worker and the array's jobs")
+    slurm_status.add_argument("study", help="study file")
+    slurm_status.add_argument("--storage", default=None, help="shared storage URL (default: $DSOPT_STORAGE)")
+    slurm_status.set_defaults(run=_slurm_status)
     export = sub.add_parser("export", help="write a measured trial's DeepSpeed JSON")
     export.add_argument("study", help="study file")
     export.add_argument("--storage", default=None, help="Optuna storage URL (default: the study's sqlite file)")

@@ -19,17 +19,27 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import optuna
 
+from optimizer.cluster_settings import BudgetSettings
+from optimizer.coordination import (
+    WORKER_ATTR,
+    ClaimOutcome,
+    Pause,
+    budget_spent,
+    now_utc,
+    running_elsewhere,
+    try_claim,
+)
 from optimizer.errors import UserError
 from optimizer.knobs import Candidate, OffloadDevice, ZeroStage, parse_knob
 from optimizer.ledger import Verdict, evaluate
 from optimizer.ledger_report import ledger_json
 from optimizer.specs import baseline_candidate
-from optimizer.storage import storage_error
+from optimizer.storage import open_storage, storage_error
 from optimizer.study_file import StudySpec
 from optimizer.trial_result import Outcome, TrialResult
 
@@ -150,14 +160,14 @@ def seed_study(study: optuna.Study, spec: StudySpec, space: Branches) -> int:
     base = baseline_candidate(spec.training)
     verdicts = [evaluate(candidate=c, model=spec.model, hardware=spec.hardware, training=spec.training)
                 for c in spec.search_space.candidates(base)]
-    fitting = sorted((v for v in verdicts if v.fits and _in_space(v.candidate, space)), key=promise)
+    fitting = sorted((v for v in verdicts if v.fits and in_space(v.candidate, space)), key=promise)
     for verdict in fitting[:SEED_ENQUEUE]:
         study.enqueue_trial(distribution_params(verdict.candidate, space), skip_if_exists=True)
     study.set_user_attr("dsopt_seeded", True)
     return min(len(fitting), SEED_ENQUEUE)
 
 
-def _in_space(candidate: Candidate, space: Branches) -> bool:
+def in_space(candidate: Candidate, space: Branches) -> bool:
     return (candidate.zero_stage in space.stages
             and candidate.offload_optimizer in space.offload_optimizer[candidate.zero_stage]
             and candidate.offload_param in space.offload_param
@@ -166,19 +176,39 @@ def _in_space(candidate: Candidate, space: Branches) -> bool:
             and candidate.micro_batch_size in space.micro_batch_size)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchGate:
+    """What a launch must pass when several workers share the study (see :mod:`optimizer.coordination`)."""
+
+    budget: BudgetSettings = field(default_factory=BudgetSettings)
+    """The study's global budget."""
+    worker: str = "local"
+    """This worker's name (recorded on every trial)."""
+    created_at: str | None = None
+    """When the study was set up (origin of ``budget.max_hours``)."""
+    pause: Pause = field(default_factory=Pause)
+    """Random pause between claim attempts and while another worker runs the same candidate."""
+    fail_stale: Callable[[optuna.Study], None] | None = None
+    """Fails trials whose worker died (Optuna's heartbeat), so that waiting on them ends."""
+
+
 def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candidate], TrialResult],
-                   artifact_dir: Callable[[Candidate], str] | None = None) -> Callable[[optuna.Trial], tuple]:
-    """The objective: ledger first (prune), then reuse, then a real trial through ``runner``.
+                   artifact_dir: Callable[[Candidate], str] | None = None,
+                   gate: LaunchGate | None = None) -> Callable[[optuna.Trial], tuple]:
+    """The objective: ledger first (prune), then reuse, then the launch gate, then a real trial (``runner``).
 
     ``artifact_dir`` names where a launched trial keeps its files (recorded as the ``trial_dir`` attribute).
+    A trial that finds the budget spent is PRUNED with ``budget_stop`` set.
     """
     base = baseline_candidate(spec.training)
+    gate = gate or LaunchGate()
 
     def objective(trial: optuna.Trial) -> tuple[float, float]:
         candidate = sample_candidate(trial, space, base)
         key = candidate_key(candidate)
         trial.set_user_attr("candidate", candidate.knobs())
         trial.set_user_attr("candidate_key", key)
+        trial.set_user_attr(WORKER_ATTR, gate.worker)
         verdict = evaluate(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training)
         if verdict.ledger is None:
             trial.set_user_attr("pruned_reason", "invalid: " + "; ".join(verdict.invalid_reasons))
@@ -190,14 +220,9 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
             trial.set_user_attr("ledger", ledger_json(verdict.ledger))
             raise optuna.TrialPruned(trial.user_attrs["pruned_reason"])
         tolerance = spec.trial.tolerance(candidate.precision)
-        previous = _measured(trial.study, key, exclude=trial.number)
+        previous = _finished(trial.study, key, exclude=trial.number) or _acquire(trial, key, gate)
         if previous is not None:
-            trial.set_user_attr("reused_from", previous.number)
-            for name in ("outcome", "loss_fidelity", "tokens_per_s", "peak_memory_bytes", "trial_dir"):
-                if name in previous.user_attrs:
-                    trial.set_user_attr(name, previous.user_attrs[name])
-            trial.set_constraint("loss_fidelity", previous.user_attrs["loss_fidelity"] - tolerance)
-            return tuple(previous.values)  # type: ignore[return-value]
+            return _reuse(trial, previous, tolerance)
         if artifact_dir is not None:
             trial.set_user_attr("trial_dir", artifact_dir(candidate))
         result = runner(candidate)
@@ -219,18 +244,63 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
     return objective
 
 
-def _measured(study: optuna.Study, key: str, *, exclude: int) -> optuna.trial.FrozenTrial | None:
-    for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-        if frozen.number != exclude and frozen.user_attrs.get("candidate_key") == key \
-                and "loss_fidelity" in frozen.user_attrs:
+def _acquire(trial: optuna.Trial, key: str, gate: LaunchGate) -> optuna.trial.FrozenTrial | None:
+    """Pass the launch gate: None when this trial may launch, or a finished trial of the same candidate to
+    reuse (another worker ran it meanwhile). Raises TrialPruned (``budget_stop``) when the budget is spent."""
+    study = trial.study
+    while True:
+        trials = study.get_trials(deepcopy=False)
+        spent = budget_spent(trials=trials, budget=gate.budget, created_at=gate.created_at, now=now_utc())
+        if spent:
+            trial.set_user_attr("budget_stop", True)
+            trial.set_user_attr("pruned_reason", f"budget spent: {spent}")
+            raise optuna.TrialPruned(trial.user_attrs["pruned_reason"])
+        outcome = try_claim(study=study, trial=trial, key=key, worker=gate.worker, budget=gate.budget)
+        if outcome is ClaimOutcome.GRANTED:
+            return None
+        if outcome is ClaimOutcome.BUSY:
+            trial.set_user_attr("waited_for_same_candidate", True)
+            while running_elsewhere(study.get_trials(deepcopy=False), key, exclude=trial.number):
+                gate.pause()
+                if gate.fail_stale is not None:
+                    gate.fail_stale(study)
+            previous = _finished(study, key, exclude=trial.number)
+            if previous is not None:
+                return previous
+        else:
+            gate.pause()
+
+
+def _reuse(trial: optuna.Trial, previous: optuna.trial.FrozenTrial, tolerance: float) -> tuple[float, float]:
+    """Record ``previous``'s result on ``trial`` instead of launching again (a failure is reused as one)."""
+    trial.set_user_attr("reused_from", previous.number)
+    for name in ("outcome", "message", "loss_fidelity", "tokens_per_s", "peak_memory_bytes", "trial_dir"):
+        if name in previous.user_attrs:
+            trial.set_user_attr(name, previous.user_attrs[name])
+    if previous.state is optuna.trial.TrialState.FAIL:
+        raise TrialFailed(f"{previous.user_attrs['outcome']} (as trial {previous.number})")
+    trial.set_constraint("loss_fidelity", previous.user_attrs["loss_fidelity"] - tolerance)
+    return tuple(previous.values)  # type: ignore[return-value]
+
+
+def _finished(study: optuna.Study, key: str, *, exclude: int) -> optuna.trial.FrozenTrial | None:
+    """A trial of the same candidate with a final result: measured, or a classified failure (oom, nan, ...).
+    A trial failed because its worker died (no outcome) is not final: the candidate is launched again."""
+    for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,
+                                                           optuna.trial.TrialState.FAIL)):
+        if frozen.number == exclude or frozen.user_attrs.get("candidate_key") != key:
+            continue
+        if "loss_fidelity" in frozen.user_attrs or (frozen.state is optuna.trial.TrialState.FAIL
+                                                    and "outcome" in frozen.user_attrs):
             return frozen
     return None
 
 
 def open_study(*, spec: StudySpec, storage: str) -> optuna.Study:
-    """Create or resume the study (``load_if_exists``); an unreachable storage is a UserError."""
+    """Create or join the study on ``storage`` (a URL, see :mod:`optimizer.storage`); UserError if unreachable."""
+    opened = open_storage(storage, workers=spec.workers)
     try:
-        return optuna.create_study(study_name=spec.name, storage=storage, directions=list(DIRECTIONS),
+        return optuna.create_study(study_name=spec.name, storage=opened, directions=list(DIRECTIONS),
                                    load_if_exists=True)
     except Exception as err:  # sqlalchemy / journal errors differ by backend
         raise storage_error(storage, err) from None

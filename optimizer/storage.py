@@ -1,12 +1,91 @@
-"""Optuna storage URLs: one-line errors, and passwords never printed or written."""
+"""Optuna storages for one process or many: which URL means what, one-line errors, passwords never shown.
+
+Three kinds of storage URL are accepted (Optuna's own storages; nothing home-made):
+
+- ``sqlite:///path/study.db`` — Optuna ``RDBStorage`` on a SQLite file: **one process only** (SQLite's
+  file locks are not safe across nodes or on network filesystems); ``dsopt worker`` and ``dsopt slurm``
+  refuse it.
+- ``postgresql+psycopg://user:password@host:port/db`` (``postgresql://`` is read as the same, psycopg 3) —
+  ``RDBStorage`` with heartbeats: every running trial records one every ``workers.heartbeat_s``; a trial
+  silent for ``workers.grace_s`` (its worker died) is failed by the next worker that starts a trial and put
+  back in the queue by ``RetryHeartbeatStaleTrialCallback`` (``workers.max_retry`` times).
+- ``journal:///path/study.log`` — Optuna ``JournalStorage`` on a ``JournalFileBackend`` (an append-only file
+  with a lock; works on a shared filesystem). Optuna 5's journal storage has no heartbeat: a trial whose
+  worker died stays RUNNING — use PostgreSQL where nodes may die.
+
+A password in a URL is never printed or written: :func:`redact` masks it in every message; prefer
+``DSOPT_STORAGE`` in the environment, ``~/.pgpass`` or ``PGPASSWORD`` over a password on the command line.
+"""
 
 from __future__ import annotations
 
 import re
+import warnings
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from optimizer.cluster_settings import WorkerSettings
 from optimizer.errors import UserError
+
+
+class StorageKind(StrEnum):
+    """What a storage URL names."""
+
+    SQLITE = "sqlite"
+    POSTGRESQL = "postgresql"
+    JOURNAL = "journal"
+
+
+def storage_kind(url: str) -> StorageKind:
+    """The kind of ``url``; UserError for anything else."""
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme == "sqlite":
+        return StorageKind.SQLITE
+    if scheme in ("postgresql", "postgresql+psycopg"):
+        return StorageKind.POSTGRESQL
+    if scheme == "journal":
+        return StorageKind.JOURNAL
+    raise UserError(source="--storage", key=redact(url), why="unsupported storage URL; use sqlite:///FILE (one "
+                    "process), postgresql+psycopg://USER@HOST/DB or journal:///SHARED/FILE.log")
+
+
+def allows_parallel_workers(url: str) -> bool:
+    """Whether several processes may share ``url`` (not SQLite)."""
+    return storage_kind(url) is not StorageKind.SQLITE
+
+
+def open_storage(url: str, *, workers: WorkerSettings) -> Any:
+    """The Optuna storage object for ``url`` (PostgreSQL with heartbeats and retries of stale trials)."""
+    import optuna
+    from optuna.storages import JournalStorage, RDBStorage, RetryHeartbeatStaleTrialCallback
+    from optuna.storages.journal import JournalFileBackend
+
+    kind = storage_kind(url)
+    try:
+        if kind is StorageKind.SQLITE:
+            return RDBStorage(url)
+        if kind is StorageKind.JOURNAL:
+            path = Path(url.removeprefix("journal://"))
+            if not path.is_absolute() or not path.parent.is_dir():
+                raise UserError(source="--storage", key=url, why="a journal URL needs an absolute path in an existing "
+                                "folder, e.g. journal:///shared/studies/NAME.log")
+            return JournalStorage(JournalFileBackend(str(path)))
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            raise UserError(source="--storage", key=redact(url), why="PostgreSQL needs psycopg 3: pip install "
+                            "'dsopt[cluster]' (or 'psycopg[binary]')") from None
+        rdb_url = "postgresql+psycopg://" + url.split("://", 1)[1]
+        with warnings.catch_warnings():  # the callback is marked experimental; stable in practice since 2.8
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            callback = RetryHeartbeatStaleTrialCallback(max_retry=workers.max_retry)
+            return RDBStorage(rdb_url, heartbeat_interval=workers.heartbeat_s, grace_period=workers.grace_s,
+                              heartbeat_stale_trial_callback=callback, engine_kwargs={"pool_pre_ping": True})
+    except UserError:
+        raise
+    except Exception as err:  # sqlalchemy / psycopg / journal errors differ by backend
+        raise storage_error(url, err) from None
 
 
 def storage_error(storage: str, err: Exception) -> UserError:
@@ -21,7 +100,8 @@ def redact(text: str) -> str:
     return re.sub(r"(://[^:/@\s]+:)[^@\s]+@", r"\1***@", text)
 
 
-def load_stored_study(*, name: str, default_path: Path, storage: str | None, study_path: Path) -> Any:
+def load_stored_study(*, name: str, default_path: Path, storage: str | None, study_path: Path,
+                      workers: WorkerSettings | None = None) -> Any:
     """The stored Optuna study, or a UserError; never creates a storage just to read it."""
     import optuna
 
@@ -30,10 +110,14 @@ def load_stored_study(*, name: str, default_path: Path, storage: str | None, stu
             raise UserError(source=str(study_path), key="study", why=f"no study storage at {default_path}; run "
                             f"'dsopt study run {study_path}' first")
         storage = f"sqlite:///{default_path.resolve()}"
-    elif storage.startswith("sqlite:///") and not Path(storage.removeprefix("sqlite:///")).exists():
+    kind = storage_kind(storage)
+    if kind is StorageKind.SQLITE and not Path(storage.removeprefix("sqlite:///")).exists():
         raise UserError(source="--storage", key=storage, why="no such SQLite file (reading never creates one)")
+    if kind is StorageKind.JOURNAL and not Path(storage.removeprefix("journal://")).exists():
+        raise UserError(source="--storage", key=storage, why="no such journal file (reading never creates one)")
+    opened = open_storage(storage, workers=workers or WorkerSettings())
     try:
-        return optuna.load_study(study_name=name, storage=storage)
+        return optuna.load_study(study_name=name, storage=opened)
     except KeyError:
         raise UserError(source="--storage", key=redact(storage), why=f"no study named {name!r} in it") from None
     except Exception as err:

@@ -1,12 +1,18 @@
 """Load a study file (``studies/NAME.yaml``) into typed specs, or fail with one clear error.
 
-A study file holds four sections::
+A study file holds these sections::
 
     name: seed-1b-2x24gb          # optional; defaults to the file name
     model: {kind: seed | transformer, ...}
     hardware: {gpus_per_node: 2, gpu_memory: 24 GB, ...}
     training: {global_batch_size: 16, micro_batch_size: 4, sequence_length: 1024}
     search_space: ../search_spaces/default.yaml   # or an inline {knobs: {...}}
+    trial: {timeout_s: 300, ...}                  # optional: how real trials run and are judged
+    budget: {max_launches: 40, ...}               # optional: the study's global budget (all workers)
+    workers: {heartbeat_s: 60, ...}               # optional: worker liveness on a shared storage
+    slurm: {partition: gpu, ...}                  # optional: what 'dsopt slurm submit' writes
+
+(the cluster sections are described in :mod:`optimizer.cluster_settings`)
 
 Every key is checked: an unknown key, a wrong type or an impossible value raises
 :class:`~optimizer.errors.UserError` naming the file, the dotted key and why. Files are read
@@ -17,12 +23,14 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
+from optimizer.cluster_settings import BudgetSettings, SlurmSettings, WorkerSettings
 from optimizer.errors import UserError
 from optimizer.knobs import Precision, parse_checkpointing
 from optimizer.search_space import SearchSpace, parse_search_space
@@ -64,6 +72,12 @@ class StudySpec:
     """The knobs' allowed values."""
     trial: TrialSettings
     """How real trials run and are judged."""
+    budget: BudgetSettings = field(default_factory=BudgetSettings)
+    """The study's global budget, all workers together."""
+    workers: WorkerSettings = field(default_factory=WorkerSettings)
+    """Worker liveness on a shared storage."""
+    slurm: SlurmSettings = field(default_factory=SlurmSettings)
+    """What ``dsopt slurm submit`` writes into the sbatch script."""
 
     @property
     def output_dir(self) -> Path:
@@ -308,6 +322,77 @@ def _parse_trial(section: _Section) -> TrialSettings:
     return trial
 
 
+def _deadline(value: Any) -> datetime:
+    if isinstance(value, datetime):  # YAML reads an unquoted ISO 8601 timestamp as a datetime
+        moment = value
+    else:
+        try:
+            moment = datetime.fromisoformat(_text(value))
+        except ValueError:
+            raise ValueError(f"expected an ISO 8601 instant such as 2026-11-30T07:00:00+00:00, got {value!r}") from None
+    if moment.tzinfo is None:
+        raise ValueError(f"{value!r} has no timezone; write e.g. 2026-11-30T07:00:00+00:00")
+    return moment
+
+
+def _text_list(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ValueError("expected a list of text items")
+    return tuple(value)
+
+
+def _count_text(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError(f"expected text or a whole number, got {value!r}")
+    return str(value)
+
+
+def _parse_budget(section: _Section) -> BudgetSettings:
+    try:
+        budget = BudgetSettings(
+            max_launches=section.get("max_launches", _positive_int, None),
+            deadline=section.get("deadline", _deadline, None),
+            max_hours=section.get("max_hours", _fraction, None),
+        )
+    except ValueError as err:
+        raise _spec_error(section, err) from None
+    section.finish()
+    return budget
+
+
+def _parse_workers(section: _Section) -> WorkerSettings:
+    defaults = WorkerSettings()
+    heartbeat = section.get("heartbeat_s", _positive_int, defaults.heartbeat_s)
+    try:
+        workers = WorkerSettings(
+            heartbeat_s=heartbeat,
+            grace_s=section.get("grace_s", _positive_int, max(defaults.grace_s, 3 * heartbeat)),
+            max_retry=section.get("max_retry", parse_count, defaults.max_retry),
+        )
+    except ValueError as err:
+        raise _spec_error(section, err) from None
+    section.finish()
+    return workers
+
+
+def _parse_slurm(section: _Section) -> SlurmSettings:
+    try:
+        slurm = SlurmSettings(
+            partition=section.get("partition", _text, None),
+            account=section.get("account", _text, None),
+            time=section.get("time", _count_text, None),
+            cpus_per_task=section.get("cpus_per_task", _positive_int, None),
+            mem=section.get("mem", _count_text, None),
+            sbatch=section.get("sbatch", _text_list, ()),
+            setup=section.get("setup", _text_list, ()),
+            python=section.get("python", _text, None),
+        )
+    except ValueError as err:
+        raise _spec_error(section, err) from None
+    section.finish()
+    return slurm
+
+
 def _read_yaml(path: Path, *, what: str) -> object:
     try:
         text = path.read_text(encoding="utf-8")
@@ -357,6 +442,9 @@ def load_study(path: str | Path) -> StudySpec:
     hardware = _parse_hardware(_Section(top.get("hardware", lambda v: v), source=source, key="hardware"))
     space = _parse_space_ref(top.get("search_space", lambda v: v), study_path=study_path)
     trial = _parse_trial(_Section(top.get("trial", lambda v: v, {}), source=source, key="trial"))
+    budget = _parse_budget(_Section(top.get("budget", lambda v: v, {}), source=source, key="budget"))
+    workers = _parse_workers(_Section(top.get("workers", lambda v: v, {}), source=source, key="workers"))
+    slurm = _parse_slurm(_Section(top.get("slurm", lambda v: v, {}), source=source, key="slurm"))
     top.finish()
     per_step = training.micro_batch_size * hardware.world_size
     if training.global_batch_size % per_step:
@@ -364,4 +452,4 @@ def load_study(path: str | Path) -> StudySpec:
                         why=f"the baseline micro-batch {training.micro_batch_size} x {hardware.world_size} ranks = "
                             f"{per_step} does not divide global_batch_size={training.global_batch_size}")
     return StudySpec(name=name, path=study_path.resolve(), model=model, hardware=hardware, training=training,
-                     search_space=space, trial=trial)
+                     search_space=space, trial=trial, budget=budget, workers=workers, slurm=slurm)

@@ -1,0 +1,96 @@
+"""The study file's cluster sections: the study's global budget, worker heartbeats, and SLURM submission.
+
+::
+
+    budget:                       # enforced across all workers of the study
+      max_launches: 40            # real DeepSpeed launches (ledger-pruned and reused trials are free)
+      deadline: 2026-11-30T07:00:00+00:00   # no launch starts after this instant
+      max_hours: 10               # or: no launch starts this long after the study was created
+    workers:
+      heartbeat_s: 60             # Optuna RDBStorage heartbeat interval (PostgreSQL)
+      grace_s: 180                # a trial with no heartbeat this long is failed (stale) ...
+      max_retry: 2                # ... and retried by another worker at most this many times
+    slurm:
+      partition: gpu
+      account: my-project
+      time: "12:00:00"
+      cpus_per_task: 32
+      mem: 0
+      sbatch: ["--qos=normal"]    # any other sbatch option, verbatim
+      setup: ["module load cuda/12.4", "source ~/dsopt/.venv/bin/activate"]
+      python: null                # the interpreter of the workers; default: the one running 'dsopt slurm submit'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BudgetSettings:
+    """How much the whole study may spend, all workers together (``budget``)."""
+
+    max_launches: int | None = None
+    """Real DeepSpeed launches (measured or failed trials, the FP32 reference not counted); None: no cap."""
+    deadline: datetime | None = None
+    """An absolute instant (timezone-aware) after which no launch starts; None: no deadline."""
+    max_hours: float | None = None
+    """Hours after the study's creation after which no launch starts; None: no limit."""
+
+    def __post_init__(self) -> None:
+        if self.max_launches is not None and self.max_launches < 1:
+            raise ValueError("max_launches must be >= 1")
+        if self.deadline is not None and self.deadline.tzinfo is None:
+            raise ValueError("deadline needs a timezone, e.g. 2026-11-30T07:00:00+00:00")
+        if self.max_hours is not None and not self.max_hours > 0:
+            raise ValueError("max_hours must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerSettings:
+    """Liveness of workers on a shared storage (``workers``); used by PostgreSQL (Optuna's RDB heartbeat)."""
+
+    heartbeat_s: int = 60
+    """Seconds between heartbeats of a running trial (Optuna ``heartbeat_interval``)."""
+    grace_s: int = 180
+    """Seconds without a heartbeat after which a running trial is failed as stale (Optuna ``grace_period``)."""
+    max_retry: int = 2
+    """How often a stale trial is put back in the queue (``RetryHeartbeatStaleTrialCallback``)."""
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_s < 1:
+            raise ValueError("heartbeat_s must be >= 1")
+        if self.grace_s <= self.heartbeat_s:
+            raise ValueError("grace_s must be larger than heartbeat_s")
+        if self.max_retry < 0:
+            raise ValueError("max_retry must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SlurmSettings:
+    """What ``dsopt slurm submit`` puts in the sbatch script (``slurm``)."""
+
+    partition: str | None = None
+    """``--partition``; None: the cluster's default."""
+    account: str | None = None
+    """``--account``."""
+    time: str | None = None
+    """``--time`` of each array task (SLURM's format, e.g. ``12:00:00``)."""
+    cpus_per_task: int | None = None
+    """``--cpus-per-task`` (host threads for data loading, CPU Adam and offload)."""
+    mem: str | None = None
+    """``--mem`` per node (SLURM's format, ``0`` = all of it)."""
+    sbatch: tuple[str, ...] = field(default=())
+    """Further sbatch options, verbatim (``--qos=normal``)."""
+    setup: tuple[str, ...] = field(default=())
+    """Shell lines run before the worker (``module load ...``, activating an environment)."""
+    python: str | None = None
+    """The workers' Python interpreter; None: the one running ``dsopt slurm submit``."""
+
+    def __post_init__(self) -> None:
+        for option in self.sbatch:
+            if not option.startswith("--") or "\n" in option:
+                raise ValueError(f"sbatch expects '--option[=value]' items, got {option!r}")
+        if any("\n" in line for line in self.setup):
+            raise ValueError("setup takes one shell line per item")
