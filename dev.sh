@@ -2,6 +2,7 @@
 # dsopt's two commands. Each one sets everything up on a fresh machine with Python 3 and pip:
 #   bash dev.sh demo   # the main job
 #   bash dev.sh test   # lint + the whole test suite (what CI runs, via .ci/run)
+#   bash dev.sh services  # start PostgreSQL + a one-node SLURM on loopback for the cluster tests (root, Debian)
 # The virtual environment lives in .venv (override with DSOPT_VENV=path).
 # torch: on a machine without an NVIDIA GPU we install the CPU build first, so that the
 # dependency "torch" does not pull a multi-GB CUDA build; override with DSOPT_TORCH="torch==X".
@@ -32,8 +33,11 @@ case "${1:-}" in
     "$venv/bin/ruff" check optimizer launchers tests benchmarks
     "$py" -m pytest -q
     ;;
+  services)
+    bash .ci/services
+    ;;
   *)
-    echo "usage: bash dev.sh demo | test" >&2
+    echo "usage: bash dev.sh demo | test | services" >&2
     exit 2
     ;;
 esac

@@ -21,6 +21,7 @@ import math
 import os
 import resource
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -130,6 +131,8 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
         peak_tensor_bytes, _ = live_tensor_peak(profiler)
     result: dict[str, Any] = {
         "rank": rank,
+        "node_rank": int(os.environ.get("GROUP_RANK", "0")),  # torchrun's agent (node) rank
+        "host": socket.gethostname(),
         "status": "ok",
         "device": "cuda" if cuda else "cpu",
         "losses": losses,
