@@ -113,18 +113,26 @@ def _trial(args: argparse.Namespace) -> int:
     return 0 if result.outcome is Outcome.OK else 1
 
 
-def _study_run(args: argparse.Namespace) -> int:
-    from launchers.study_run import counts, default_storage, run_study
-    from launchers.trial import ReferenceFailed, check_devices
+def _runnable_study(path: str) -> StudySpec:
+    """The study file, refused (exit 2) if it cannot run trials here."""
+    from launchers.trial import check_devices
 
-    study = load_study(args.study)
+    study = load_study(path)
     if isinstance(study.model, SeedModel):
         raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to run; "
                         "studies need model.kind: transformer")
     check_devices(study)
-    storage = args.storage or default_storage(study)
+    return study
+
+
+def _run(study: StudySpec, storage: str, args: argparse.Namespace, *, parallel: bool) -> int:
+    """``dsopt study run`` and ``dsopt worker``: run, then one summary line."""
+    from launchers.study_run import counts, run_study
+    from launchers.trial import ReferenceFailed
+
     try:
-        result = run_study(spec=study, storage=storage, n_trials=args.n_trials, timeout_s=args.timeout)
+        result = run_study(spec=study, storage=storage, n_trials=args.n_trials, timeout_s=args.timeout,
+                           parallel=parallel)
     except ReferenceFailed as failed:
         print(f"dsopt: {failed}; see {study.output_dir / 'reference' / 'log.txt'}", file=sys.stderr)
         return 1
@@ -133,39 +141,34 @@ def _study_run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 130
     c = counts(result)
-    print(f"study {study.name}: {c['measured']} measured, {c['reused']} reused, {c['pruned']} pruned by the "
-          f"ledger, {c['failed']} failed; feasible Pareto front: {len(result.best_trials)} trial(s)")
+    who = " (all workers)" if parallel else ""
+    print(f"study {study.name}{who}: {c['measured']} measured, {c['reused']} reused, {c['pruned']} pruned by the "
+          f"ledger, {c['failed']} failed, {c['running']} running; feasible Pareto front: "
+          f"{len(result.best_trials)} trial(s)")
     print(f"storage: {redact(storage)}")
     return 0
 
 
-def _worker(args: argparse.Namespace) -> int:
-    from launchers.slurm import STORAGE_VAR
-    from launchers.study_run import counts, run_study
-    from launchers.trial import ReferenceFailed, check_devices
+def _study_run(args: argparse.Namespace) -> int:
+    from launchers.study_run import default_storage
 
-    study = load_study(args.study)
+    study = _runnable_study(args.study)
+    return _run(study, args.storage or default_storage(study), args, parallel=False)
+
+
+def _shared_storage(args: argparse.Namespace) -> str:
+    from launchers.slurm import STORAGE_VAR
+
     storage = args.storage or os.environ.get(STORAGE_VAR)
     if not storage:
-        raise UserError(source="--storage", key="", why=f"a worker joins a shared storage: give --storage URL or set "
+        raise UserError(source="--storage", key="", why=f"workers share a storage: give --storage URL or set "
                         f"${STORAGE_VAR} (postgresql+psycopg://USER@HOST/DB or journal:///shared/file.log)")
-    if isinstance(study.model, SeedModel):
-        raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to run; "
-                        "studies need model.kind: transformer")
-    check_devices(study)
-    try:
-        result = run_study(spec=study, storage=storage, n_trials=args.n_trials, timeout_s=args.timeout,
-                           parallel=True)
-    except ReferenceFailed as failed:
-        print(f"dsopt: {failed}; see {study.output_dir / 'reference' / 'log.txt'}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("dsopt: interrupted; this worker's running trial is recorded as failed", file=sys.stderr)
-        return 130
-    c = counts(result)
-    print(f"study {study.name} (all workers): {c['measured']} measured, {c['reused']} reused, {c['pruned']} pruned, "
-          f"{c['failed']} failed, {c['running']} running; storage {redact(storage)}")
-    return 0
+    return storage
+
+
+def _worker(args: argparse.Namespace) -> int:
+    storage = _shared_storage(args)
+    return _run(_runnable_study(args.study), storage, args, parallel=True)
 
 
 def _slurm_submit(args: argparse.Namespace) -> int:
@@ -188,12 +191,10 @@ def _slurm_submit(args: argparse.Namespace) -> int:
 
 
 def _slurm_status(args: argparse.Namespace) -> int:
-    from launchers.slurm import STORAGE_VAR, job_lines, load_for_status, worker_table
+    from launchers.slurm import job_lines, load_for_status, worker_table
 
     study = load_study(args.study)
-    storage = args.storage or os.environ.get(STORAGE_VAR)
-    if not storage:
-        raise UserError(source="--storage", key="", why=f"give --storage URL or set ${STORAGE_VAR}")
+    storage = _shared_storage(args)
     stored = load_for_status(study, storage)
     best = stored.best_trials
     print(f"study {study.name} on {redact(storage)}")

@@ -120,6 +120,16 @@ class _Section:
             raise self.error(str(unknown[0]), f"unknown key; allowed here: {allowed}")
 
 
+def _built(section: _Section, make: Callable[[], T]) -> T:
+    """``make()`` a spec from the section's reads; its own ValueError names the key; then no unknown keys."""
+    try:
+        value = make()
+    except ValueError as err:
+        raise _spec_error(section, err) from None
+    section.finish()
+    return value
+
+
 def _spec_error(section: _Section, err: ValueError) -> UserError:
     """A spec's own validation error, keyed by the field its message starts with (else the section)."""
     first = str(err).split(" ", 1)[0]
@@ -278,19 +288,14 @@ def _precision_list(value: Any) -> tuple[Precision, ...]:
 
 
 def _parse_training(section: _Section) -> TrainingSpec:
-    try:
-        training = TrainingSpec(
-            global_batch_size=section.get("global_batch_size", _positive_int),
-            micro_batch_size=section.get("micro_batch_size", _positive_int),
-            sequence_length=section.get("sequence_length", _positive_int),
-            optimizer=section.get("optimizer", _enum(Optimizer), Optimizer.ADAM),
-            learning_rate=section.get("learning_rate", _fraction, 1e-3),
-            weight_decay=section.get("weight_decay", _fraction, 0.0),
-        )
-    except ValueError as err:
-        raise _spec_error(section, err) from None
-    section.finish()
-    return training
+    return _built(section, lambda: TrainingSpec(
+        global_batch_size=section.get("global_batch_size", _positive_int),
+        micro_batch_size=section.get("micro_batch_size", _positive_int),
+        sequence_length=section.get("sequence_length", _positive_int),
+        optimizer=section.get("optimizer", _enum(Optimizer), Optimizer.ADAM),
+        learning_rate=section.get("learning_rate", _fraction, 1e-3),
+        weight_decay=section.get("weight_decay", _fraction, 0.0),
+    ))
 
 
 def _tolerances(value: Any) -> tuple[tuple[Precision, float], ...]:
@@ -308,18 +313,13 @@ def _tolerances(value: Any) -> tuple[tuple[Precision, float], ...]:
 
 def _parse_trial(section: _Section) -> TrialSettings:
     defaults = TrialSettings()
-    try:
-        trial = TrialSettings(
-            warmup_steps=section.get("warmup_steps", _positive_int, defaults.warmup_steps),
-            measured_steps=section.get("measured_steps", _positive_int, defaults.measured_steps),
-            timeout_s=section.get("timeout_s", _fraction, defaults.timeout_s),
-            seed=section.get("seed", parse_count, defaults.seed),
-            fidelity_tolerance=section.get("fidelity_tolerance", _tolerances, defaults.fidelity_tolerance),
-        )
-    except ValueError as err:
-        raise _spec_error(section, err) from None
-    section.finish()
-    return trial
+    return _built(section, lambda: TrialSettings(
+        warmup_steps=section.get("warmup_steps", _positive_int, defaults.warmup_steps),
+        measured_steps=section.get("measured_steps", _positive_int, defaults.measured_steps),
+        timeout_s=section.get("timeout_s", _fraction, defaults.timeout_s),
+        seed=section.get("seed", parse_count, defaults.seed),
+        fidelity_tolerance=section.get("fidelity_tolerance", _tolerances, defaults.fidelity_tolerance),
+    ))
 
 
 def _deadline(value: Any) -> datetime:
@@ -348,49 +348,34 @@ def _count_text(value: Any) -> str:
 
 
 def _parse_budget(section: _Section) -> BudgetSettings:
-    try:
-        budget = BudgetSettings(
-            max_launches=section.get("max_launches", _positive_int, None),
-            deadline=section.get("deadline", _deadline, None),
-            max_hours=section.get("max_hours", _fraction, None),
-        )
-    except ValueError as err:
-        raise _spec_error(section, err) from None
-    section.finish()
-    return budget
+    return _built(section, lambda: BudgetSettings(
+        max_launches=section.get("max_launches", _positive_int, None),
+        deadline=section.get("deadline", _deadline, None),
+        max_hours=section.get("max_hours", _fraction, None),
+    ))
 
 
 def _parse_workers(section: _Section) -> WorkerSettings:
     defaults = WorkerSettings()
     heartbeat = section.get("heartbeat_s", _positive_int, defaults.heartbeat_s)
-    try:
-        workers = WorkerSettings(
-            heartbeat_s=heartbeat,
-            grace_s=section.get("grace_s", _positive_int, max(defaults.grace_s, 3 * heartbeat)),
-            max_retry=section.get("max_retry", parse_count, defaults.max_retry),
-        )
-    except ValueError as err:
-        raise _spec_error(section, err) from None
-    section.finish()
-    return workers
+    return _built(section, lambda: WorkerSettings(
+        heartbeat_s=heartbeat,
+        grace_s=section.get("grace_s", _positive_int, max(defaults.grace_s, 3 * heartbeat)),
+        max_retry=section.get("max_retry", parse_count, defaults.max_retry),
+    ))
 
 
 def _parse_slurm(section: _Section) -> SlurmSettings:
-    try:
-        slurm = SlurmSettings(
-            partition=section.get("partition", _text, None),
-            account=section.get("account", _text, None),
-            time=section.get("time", _count_text, None),
-            cpus_per_task=section.get("cpus_per_task", _positive_int, None),
-            mem=section.get("mem", _count_text, None),
-            sbatch=section.get("sbatch", _text_list, ()),
-            setup=section.get("setup", _text_list, ()),
-            python=section.get("python", _text, None),
-        )
-    except ValueError as err:
-        raise _spec_error(section, err) from None
-    section.finish()
-    return slurm
+    return _built(section, lambda: SlurmSettings(
+        partition=section.get("partition", _text, None),
+        account=section.get("account", _text, None),
+        time=section.get("time", _count_text, None),
+        cpus_per_task=section.get("cpus_per_task", _positive_int, None),
+        mem=section.get("mem", _count_text, None),
+        sbatch=section.get("sbatch", _text_list, ()),
+        setup=section.get("setup", _text_list, ()),
+        python=section.get("python", _text, None),
+    ))
 
 
 def _read_yaml(path: Path, *, what: str) -> object:
