@@ -17,10 +17,11 @@ from pathlib import Path
 from optimizer.errors import EXIT_USER_ERROR, UserError
 from optimizer.knobs import KNOB_NAMES, Candidate, parse_knob
 from optimizer.ledger import evaluate
-from optimizer.ledger_report import all_json, all_table, ledger_json, ledger_table
+from optimizer.ledger_report import all_json, all_table, ledger_json, ledger_table, throughput_lines
 from optimizer.specs import SeedModel, baseline_candidate
 from optimizer.storage import load_stored_study, redact
 from optimizer.study_file import StudySpec, load_study
+from optimizer.throughput import StepTime, predict_candidate
 from optimizer.transformer import parameter_count
 from optimizer.trial_report import trial_json, trial_table
 from optimizer.trial_result import Outcome
@@ -56,24 +57,45 @@ def _ledger(args: argparse.Namespace) -> int:
         if args.set:
             raise UserError(source="--set", key="", why="--all evaluates the whole search space; drop --set")
         verdicts = [evaluate(candidate=c, **spec) for c in study.search_space.candidates(base)]
+        speeds = {v.candidate.label(): _speed(study, v.candidate) for v in verdicts if v.ledger is not None}
         if args.json:
-            print(json.dumps(all_json(verdicts, study=study.name), indent=2))
+            out = all_json(verdicts, study=study.name)
+            for entry in out["candidates"]:
+                if "label" in entry and entry.get("valid", True):
+                    entry["throughput"] = _speed_json(speeds.get(entry["label"]))
+            print(json.dumps(out, indent=2))
         else:
-            print(all_table(verdicts, study=study.name))
+            print(all_table(verdicts, study=study.name, speeds=speeds))
         return 0
     candidate = _parse_sets(args.set, base=base)
     verdict = evaluate(candidate=candidate, **spec)
     if verdict.ledger is None:
         knobs = " ".join(f"{k}={v}" for k, v in candidate.knobs().items())
         raise UserError(source="--set", key=knobs, why="invalid combination: " + "; ".join(verdict.invalid_reasons))
+    speed = _speed(study, candidate)
     if args.json:
         out = ledger_json(verdict.ledger)
         out["study"] = study.name
         out["parameters"] = _psi(study)
+        out["throughput"] = _speed_json(speed)
         print(json.dumps(out, indent=2))
     else:
         print(ledger_table(verdict.ledger, study=study.name, psi=_psi(study)))
+        print("\n".join(["", *throughput_lines(speed)]))
     return 0
+
+
+def _speed(study: StudySpec, candidate: Candidate) -> StepTime | str:
+    if isinstance(study.model, SeedModel):
+        return "unknown: a seed-mode model has no shape to count work on"
+    return predict_candidate(candidate=candidate, model=study.model, hardware=study.hardware, training=study.training)
+
+
+def _speed_json(speed: StepTime | str | None) -> dict[str, object]:
+    if not isinstance(speed, StepTime):
+        return {"known": False, "reason": speed or "not evaluated"}
+    return {"known": True, "tokens_per_s": speed.tokens_per_s, "step_s": speed.total_s,
+            "terms_s": dict(speed.terms_s), "source": speed.source}
 
 
 def _trial(args: argparse.Namespace) -> int:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from optimizer.ledger import Ledger, Verdict
 from optimizer.ledger_items import Category, LedgerItem, Location, Phase
+from optimizer.throughput import StepTime
 from optimizer.units import GB, GiB
 
 
@@ -156,24 +157,33 @@ def counts(verdicts: Sequence[Verdict]) -> dict[str, int]:
             "fits": fit, "does_not_fit": len(valid) - fit}
 
 
-def all_table(verdicts: Sequence[Verdict], *, study: str) -> str:
-    """``--all``: every candidate, sorted (fitting by needed memory, then the rest, then invalid)."""
+def all_table(verdicts: Sequence[Verdict], *, study: str, speeds: Mapping[str, StepTime | str] | None = None) -> str:
+    """``--all``: every candidate, sorted (fitting by needed memory, then the rest, then invalid), with the
+    throughput model's tokens/s by candidate label when ``speeds`` is given."""
+    speeds = speeds or {}
     ordered = sorted(verdicts, key=_sort_key)
     largest = max((v.ledger.gpu_needed_bytes for v in verdicts if v.ledger is not None), default=0)
     unit, scale = ("GB", GB) if largest >= GB / 10 else ("MB", 10**6)
     lines = [f"study {study} · {len(verdicts)} candidates · {unit} = {scale:.0e} bytes (per GPU: needed = reserved "
              "peak + device reserve)".replace("1e+09", "10^9").replace("1e+06", "10^6"), "",
-             f"  {'verdict':<13} {'GPU needed ' + unit:>13} {'host ' + unit:>9} {'nvme ' + unit:>9}  candidate"]
+             f"  {'verdict':<13} {'GPU needed ' + unit:>13} {'host ' + unit:>9} {'nvme ' + unit:>9} "
+             f"{'tokens/s':>10}  candidate"]
     for v in ordered:
         if v.ledger is None:
-            lines.append(f"  {'invalid':<13} {'-':>13} {'-':>9} {'-':>9}  {v.candidate.label()}: "
+            lines.append(f"  {'invalid':<13} {'-':>13} {'-':>9} {'-':>9} {'-':>10}  {v.candidate.label()}: "
                          + "; ".join(v.invalid_reasons))
             continue
         led = v.ledger
         word = "fits" if led.fits else "does not fit"
+        speed = speeds.get(v.candidate.label())
+        speed_text = f"{speed.tokens_per_s:>10,.0f}" if isinstance(speed, StepTime) else f"{'unknown':>10}"
         lines.append(f"  {word:<13} {led.gpu_needed_bytes / scale:>13.2f} {led.host_bytes / scale:>9.2f} "
-                     f"{led.nvme_bytes / scale:>9.2f}  {v.candidate.label()}")
+                     f"{led.nvme_bytes / scale:>9.2f} {speed_text}  {v.candidate.label()}")
     c = counts(verdicts)
+    sources = {step.source for step in speeds.values() if isinstance(step, StepTime)}
+    if speeds:
+        lines += ["", "tokens/s: the throughput model (" + (", ".join(sorted(sources)) or "no figures") + "); "
+                  "'unknown' where a figure it needs is missing"]
     lines += ["", f"{c['valid']} valid ({c['fits']} fit, {c['does_not_fit']} do not fit), {c['invalid']} invalid, "
               f"{c['total']} in all"]
     return "\n".join(lines)
@@ -189,3 +199,13 @@ def all_json(verdicts: Sequence[Verdict], *, study: str) -> dict[str, object]:
         else:
             entries.append(ledger_json(v.ledger))
     return {"study": study, "counts": counts(verdicts), "candidates": entries}
+
+
+def throughput_lines(step: StepTime | str) -> list[str]:
+    """The throughput model's prediction for one candidate, itemised (or why it is unknown)."""
+    if isinstance(step, str):
+        return ["Throughput model:", f"  {step}"]
+    lines = [f"Throughput model ({step.source}): {step.tokens_per_s:,.0f} tokens/s, {step.total_s:.4g} s per "
+             "optimizer step"]
+    lines += [f"  {name:<15} {seconds:10.4g} s" for name, seconds in step.terms_s if seconds > 0]
+    return lines

@@ -188,6 +188,12 @@ class HardwareSpec:
     """Free NVMe capacity of one node (bytes); None = not checked."""
     supported_precisions: tuple[Precision, ...] = (Precision.FP32, Precision.BF16, Precision.FP16)
     """Precisions the device can train in (CPU ranks refuse fp16 in DeepSpeed)."""
+    profile: str | None = None
+    """Name of the device's figures for the throughput model (:mod:`optimizer.hardware_profiles`)."""
+    inter_node_bytes_per_s: float | None = None
+    """Network bandwidth per device between nodes, one direction (bytes/s); overrides the profile."""
+    nvme_bytes_per_s: float | None = None
+    """NVMe read/write bandwidth of a node (bytes/s), for NVMe offload time; None: unknown."""
 
     def __post_init__(self) -> None:
         _coerce_enums(self, accelerator=Accelerator)

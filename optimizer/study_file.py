@@ -32,6 +32,7 @@ import yaml
 
 from optimizer.cluster_settings import BudgetSettings, SlurmSettings, WorkerSettings
 from optimizer.errors import UserError
+from optimizer.hardware_profiles import profile_named
 from optimizer.knobs import Precision, parse_checkpointing
 from optimizer.search_space import SearchSpace, parse_search_space
 from optimizer.specs import (
@@ -274,11 +275,25 @@ def _parse_hardware(section: _Section) -> HardwareSpec:
             nvme_path=nvme_path,
             nvme_bytes=nvme_bytes,
             supported_precisions=section.get("supported_precisions", _precision_list, default_precisions),
+            profile=section.get("profile", _profile, None),
+            inter_node_bytes_per_s=section.get("inter_node_bandwidth", _bandwidth, None),
+            nvme_bytes_per_s=section.get("nvme_bandwidth", _bandwidth, None),
         )
     except ValueError as err:
         raise _spec_error(section, err) from None
     section.finish()
     return hardware
+
+
+def _profile(value: Any) -> str:
+    return profile_named(_text(value)).name
+
+
+def _bandwidth(value: Any) -> float:
+    text = str(value).strip()
+    if not text.endswith("/s"):
+        raise ValueError(f"expected a bandwidth such as '50 GB/s', got {value!r}")
+    return float(parse_bytes(text.removesuffix("/s").strip()))
 
 
 def _precision_list(value: Any) -> tuple[Precision, ...]:
