@@ -39,14 +39,18 @@ from optimizer.coordination import (
 from optimizer.errors import UserError
 from optimizer.knobs import Candidate
 from optimizer.ledger import evaluate
+from optimizer.ordering import CALIBRATION_ATTR, EXPLORE_EVERY, StudyModels, calibrated_verdict_fits, study_models
 from optimizer.search import (
     Branches,
     LaunchGate,
     TrialFailed,
     branches,
     candidate_key,
+    distribution_params,
+    final_keys,
     in_space,
     make_objective,
+    next_candidate,
     open_study,
     seed_study,
 )
@@ -151,29 +155,15 @@ class StopReason:
     """One line for the user."""
 
 
-def _fitting_keys(spec: StudySpec, space: Branches) -> set[str]:
-    base = baseline_candidate(spec.training)
-    keys = set()
-    for candidate in spec.search_space.candidates(base):
-        if in_space(candidate, space) and evaluate(candidate=candidate, model=spec.model, hardware=spec.hardware,
-                                                    training=spec.training).fits:
-            keys.add(candidate_key(candidate))
-    return keys
-
-
-def _final_keys(trials: list[optuna.trial.FrozenTrial]) -> set[str]:
-    """Candidates with a final result: measured, or failed with a classified outcome."""
-    return {t.user_attrs["candidate_key"] for t in trials if "candidate_key" in t.user_attrs and (
-        (t.state is TrialState.COMPLETE and "loss_fidelity" in t.user_attrs)
-        or (t.state is TrialState.FAIL and "outcome" in t.user_attrs))}
-
-
 def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s: float | None,
               runner: Callable[[Candidate, list[float]], TrialResult] | None = None,
-              parallel: bool = False) -> optuna.Study:
+              parallel: bool = False, reference: Callable[[], list[float]] | None = None,
+              sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
     """Create or join the study on ``storage`` and run trials until a limit is reached (module doc).
 
     ``parallel`` (``dsopt worker``): other workers may share the storage, so SQLite is refused.
+    ``runner`` and ``reference`` replace the real launches (the search-efficiency benchmark replays recorded
+    measurements through them); ``sampler`` replaces Optuna's default (TPE) sampler.
     """
     space = branches(spec)  # validate before anything is written
     kind = storage_kind(storage)
@@ -183,28 +173,39 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     if storage == default_storage(spec):
         spec.output_dir.mkdir(parents=True, exist_ok=True)  # the SQLite file's folder
     worker = worker_id()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = open_study(spec=spec, storage=storage)
-    reference = setup_study(study=study, spec=spec, space=space, worker=worker,
-                            reference=lambda: reference_losses(spec))
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are data: our progress line reports them
+    study = open_study(spec=spec, storage=storage, sampler=sampler)
+    losses = setup_study(study=study, spec=spec, space=space, worker=worker,
+                         reference=reference or (lambda: reference_losses(spec)))
 
     def launch(candidate: Candidate) -> TrialResult:
         if runner is not None:
-            return runner(candidate, reference)
-        return run_trial(study=spec, candidate=candidate, reference_losses=reference)
+            return runner(candidate, losses)
+        return run_trial(study=spec, candidate=candidate, reference_losses=losses)
 
     fail_stale = _fail_stale if kind is StorageKind.POSTGRESQL else None
     gate = LaunchGate(budget=spec.budget, worker=worker, created_at=study.user_attrs.get(CREATED_ATTR),
                       fail_stale=fail_stale)
-    objective = make_objective(spec=spec, space=space, runner=launch, gate=gate,
+    base = baseline_candidate(spec.training)
+    verdicts = [v for v in (evaluate(candidate=c, model=spec.model, hardware=spec.hardware, training=spec.training)
+                            for c in spec.search_space.candidates(base))
+                if v.ledger is not None and in_space(v.candidate, space)]
+    current = [study_models(spec=spec, trials=[], base=base)]
+    objective = make_objective(spec=spec, space=space, runner=launch, gate=gate, models=lambda: current[0],
                                artifact_dir=lambda candidate: str(trial_dir_for(spec, candidate)))
-    fitting = _fitting_keys(spec, space)
     start = time.monotonic()
     ran = 0
     announced_wait = False
     while True:
-        stop = _stop_reason(study=study, spec=spec, gate=gate, fitting=fitting, ran=ran, n_trials=n_trials,
-                            elapsed_s=time.monotonic() - start, timeout_s=timeout_s, fail_stale=fail_stale)
+        if fail_stale is not None:
+            fail_stale(study)
+        trials = study.get_trials(deepcopy=False)
+        current[0] = _refresh_models(study, spec=spec, trials=trials, base=base)
+        fitting = {candidate_key(v.candidate) for v in verdicts
+                   if calibrated_verdict_fits(v, models=current[0], key=candidate_key(v.candidate),
+                                              budget_bytes=v.ledger.gpu_capacity_bytes)}
+        stop = _stop_reason(trials=trials, spec=spec, gate=gate, fitting=fitting, ran=ran, n_trials=n_trials,
+                            elapsed_s=time.monotonic() - start, timeout_s=timeout_s)
         if stop == "wait":
             if not announced_wait:
                 _say(worker, "every remaining candidate is being run by another worker; waiting")
@@ -215,26 +216,44 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
             _say(worker, f"stopping: {stop.text}")
             break
         announced_wait = False
+        if ran % EXPLORE_EVERY != EXPLORE_EVERY - 1:  # every third trial is the sampler's own choice
+            _guide(study, spec=spec, space=space, trials=trials, models=current[0], verdicts=verdicts)
         study.optimize(objective, n_trials=1, catch=(TrialFailed,), callbacks=[_progress])
         ran += 1
     return study
 
 
-def _stop_reason(*, study: optuna.Study, spec: StudySpec, gate: LaunchGate, fitting: set[str], ran: int,
-                 n_trials: int | None, elapsed_s: float, timeout_s: float | None,
-                 fail_stale: Callable[[optuna.Study], None] | None) -> StopReason | str | None:
+def _refresh_models(study: optuna.Study, *, spec: StudySpec, trials: list[optuna.trial.FrozenTrial],
+                    base: Candidate) -> StudyModels:
+    """Refit the study's corrections from its measured trials and store them in the study when they change."""
+    models = study_models(spec=spec, trials=trials, base=base)
+    attr = models.to_attr()
+    if study.user_attrs.get(CALIBRATION_ATTR) != attr:
+        study.set_user_attr(CALIBRATION_ATTR, attr)
+    return models
+
+
+def _guide(study: optuna.Study, *, spec: StudySpec, space: Branches, trials: list[optuna.trial.FrozenTrial],
+           models: StudyModels, verdicts: list) -> None:
+    """Enqueue the model's next choice unless a trial is already queued."""
+    if any(t.state is TrialState.WAITING for t in trials):
+        return
+    choice = next_candidate(spec=spec, space=space, trials=trials, models=models, verdicts=verdicts)
+    if choice is not None:
+        study.enqueue_trial(distribution_params(choice, space), user_attrs={"ordered_by": models.rates.source})
+
+
+def _stop_reason(*, trials: list[optuna.trial.FrozenTrial], spec: StudySpec, gate: LaunchGate, fitting: set[str],
+                 ran: int, n_trials: int | None, elapsed_s: float, timeout_s: float | None) -> StopReason | str | None:
     """A StopReason, ``"wait"`` (only candidates in flight elsewhere are left), or None (run a trial)."""
     if n_trials is not None and ran >= n_trials:
         return StopReason(text=f"this worker ran its {n_trials} trial(s)")
     if timeout_s is not None and elapsed_s >= timeout_s:
         return StopReason(text=f"this worker's --timeout of {timeout_s:g} s has passed")
-    if fail_stale is not None:
-        fail_stale(study)
-    trials = study.get_trials(deepcopy=False)
     spent = budget_spent(trials=trials, budget=spec.budget, created_at=gate.created_at, now=now_utc())
     if spent:
         return StopReason(text=f"the study's budget is spent: {spent}")
-    left = fitting - _final_keys(trials)
+    left = fitting - final_keys(trials)
     if not left:
         return StopReason(text=f"the search space is exhausted: all {len(fitting)} fitting candidate(s) have a "
                                "result")

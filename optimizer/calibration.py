@@ -12,11 +12,11 @@ smallest-norm fit, which is what few measurements support). A feature no measure
 prior (or stays unknown). The non-negative least squares is solved exactly by trying every support set of
 the exercised features (at most 2¹² small solves).
 
-**Memory.** The ledger's per-rank prediction p and the measured peak m give r = m / p per trial; the
-calibrated prediction is k·p with k the median of r. Guard: k is lowered, if need be, so that no
-candidate measured to fit would be predicted not to fit (k·p ≤ the budget for each of them) — a
-correction never turns a measured fit into a prune; and :func:`calibrated_fits` never prunes a candidate
-that was measured to fit.
+**Memory.** The ledger's per-rank prediction p and the measured peak m give r = m / p per trial (an OOM
+gives the lower bound m = budget + 1 byte); the calibrated prediction is k·p with k the median of r.
+Guard: k is lowered, if need be, so that no candidate measured to fit would be predicted not to fit
+(k·p ≤ the budget for each of them) — a correction never turns a measured fit into a prune; and
+:func:`calibrated_fits` never prunes a candidate that was measured to fit.
 """
 
 from __future__ import annotations

@@ -52,6 +52,8 @@ def _psi(study: StudySpec) -> int:
 def _ledger(args: argparse.Namespace) -> int:
     study = load_study(args.study)
     base = baseline_candidate(study.training)
+    if args.calibrated:
+        return _ledger_calibrated(study, args)
     spec = {"model": study.model, "hardware": study.hardware, "training": study.training}
     if args.all:
         if args.set:
@@ -82,6 +84,20 @@ def _ledger(args: argparse.Namespace) -> int:
     else:
         print(ledger_table(verdict.ledger, study=study.name, psi=_psi(study)))
         print("\n".join(["", *throughput_lines(speed)]))
+    return 0
+
+
+def _ledger_calibrated(study: StudySpec, args: argparse.Namespace) -> int:
+    from optimizer.calibration_report import calibration_table
+    from optimizer.ordering import study_models
+
+    if isinstance(study.model, SeedModel):
+        raise UserError(source=str(study.path), key="model.kind", why="calibration needs measured trials of a "
+                        "transformer-mode model")
+    stored = _stored(study, args.storage)
+    trials = stored.get_trials(deepcopy=False)
+    models = study_models(spec=study, trials=trials, base=baseline_candidate(study.training))
+    print(calibration_table(spec=study, trials=trials, models=models))
     return 0
 
 
@@ -316,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"set a knob (repeatable); knobs: {', '.join(KNOB_NAMES)}; others take the baseline")
     ledger.add_argument("--all", action="store_true", help="every candidate of the study's search space, sorted")
     ledger.add_argument("--json", action="store_true", help="print JSON (integer bytes)")
+    ledger.add_argument("--calibrated", action="store_true", help="predicted vs measured per trial of the stored "
+                        "study, before and after the study's calibration")
+    ledger.add_argument("--storage", default=None, help="with --calibrated: the study's storage URL "
+                        "(default: its sqlite file)")
     ledger.set_defaults(run=_ledger)
     trial = sub.add_parser("trial", help="run one candidate for real: peak memory, speed, loss, fidelity")
     trial.add_argument("study", help="study file with a transformer-mode model, e.g. studies/cpu-tiny.yaml")

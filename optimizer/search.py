@@ -38,6 +38,7 @@ from optimizer.errors import UserError
 from optimizer.knobs import Candidate, OffloadDevice, ZeroStage, parse_knob
 from optimizer.ledger import Verdict, evaluate
 from optimizer.ledger_report import ledger_json
+from optimizer.ordering import StudyModels, calibrated_verdict_fits, predicted_speed, study_models
 from optimizer.specs import baseline_candidate
 from optimizer.storage import open_storage, storage_error
 from optimizer.study_file import StudySpec
@@ -145,8 +146,9 @@ def candidate_key(candidate: Candidate) -> str:
 
 
 def promise(verdict: Verdict) -> tuple:
-    """Provisional ordering of fitting candidates, most promising first, until a throughput model exists:
-    no offload, no recomputation, low ZeRO stage (less communication), 16-bit, large micro-batch."""
+    """Ordering of fitting candidates when the throughput model lacks a figure (no hardware profile, no
+    calibration yet): no offload, no recomputation, low ZeRO stage (less communication), 16-bit, large
+    micro-batch."""
     c = verdict.candidate
     offloads = (c.offload_optimizer is not OffloadDevice.NONE) + (c.offload_param is not OffloadDevice.NONE)
     recompute = {"none": 0, "selective": 1}.get(str(c.checkpointing), 2)
@@ -154,13 +156,16 @@ def promise(verdict: Verdict) -> tuple:
 
 
 def seed_study(study: optuna.Study, spec: StudySpec, space: Branches) -> int:
-    """Enqueue the ledger's most promising fitting candidates, once per study (a study attribute guards it)."""
+    """Enqueue the most promising fitting candidates (:func:`order_key` with the uncalibrated models), once per
+    study (a study attribute guards it)."""
     if study.user_attrs.get("dsopt_seeded"):
         return 0
     base = baseline_candidate(spec.training)
     verdicts = [evaluate(candidate=c, model=spec.model, hardware=spec.hardware, training=spec.training)
                 for c in spec.search_space.candidates(base)]
-    fitting = sorted((v for v in verdicts if v.fits and in_space(v.candidate, space)), key=promise)
+    models = study_models(spec=spec, trials=[], base=base)
+    fitting = sorted((v for v in verdicts if v.fits and in_space(v.candidate, space)),
+                     key=lambda v: order_key(v, spec=spec, models=models))
     for verdict in fitting[:SEED_ENQUEUE]:
         study.enqueue_trial(distribution_params(verdict.candidate, space), skip_if_exists=True)
     study.set_user_attr("dsopt_seeded", True)
@@ -194,11 +199,13 @@ class LaunchGate:
 
 def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candidate], TrialResult],
                    artifact_dir: Callable[[Candidate], str] | None = None,
-                   gate: LaunchGate | None = None) -> Callable[[optuna.Trial], tuple]:
+                   gate: LaunchGate | None = None,
+                   models: Callable[[], StudyModels | None] | None = None) -> Callable[[optuna.Trial], tuple]:
     """The objective: ledger first (prune), then reuse, then the launch gate, then a real trial (``runner``).
 
     ``artifact_dir`` names where a launched trial keeps its files (recorded as the ``trial_dir`` attribute).
-    A trial that finds the budget spent is PRUNED with ``budget_stop`` set.
+    A trial that finds the budget spent is PRUNED with ``budget_stop`` set. ``models`` gives the study's
+    calibrated models (:mod:`optimizer.ordering`): pruning then uses the calibrated memory prediction.
     """
     base = baseline_candidate(spec.training)
     gate = gate or LaunchGate()
@@ -213,11 +220,24 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
         if verdict.ledger is None:
             trial.set_user_attr("pruned_reason", "invalid: " + "; ".join(verdict.invalid_reasons))
             raise optuna.TrialPruned(trial.user_attrs["pruned_reason"])
-        trial.set_user_attr("predicted_bytes", verdict.ledger.per_gpu()["total"])
-        trial.set_user_attr("predicted_gpu_needed_bytes", verdict.ledger.gpu_needed_bytes)
-        if not verdict.fits:
-            trial.set_user_attr("pruned_reason", "does not fit: " + "; ".join(verdict.ledger.verdict_reasons()))
-            trial.set_user_attr("ledger", ledger_json(verdict.ledger))
+        ledger = verdict.ledger
+        trial.set_user_attr("predicted_bytes", ledger.per_gpu()["total"])
+        trial.set_user_attr("predicted_gpu_needed_bytes", ledger.gpu_needed_bytes)
+        host_share = (ledger.host_bytes // ledger.ranks_per_node - ledger.per_gpu()["total"]) \
+            if ledger.device_is_host else 0
+        trial.set_user_attr("predicted_host_bytes", host_share)
+        current = models() if models is not None else None
+        fits = verdict.fits
+        if current is not None:
+            trial.set_user_attr("memory_factor", current.memory_factor(candidate))
+            fits = calibrated_verdict_fits(verdict, models=current, key=key,
+                                           budget_bytes=ledger.gpu_capacity_bytes)
+        if not fits:
+            reasons = "; ".join(ledger.verdict_reasons()) or "device need x the study's memory factor exceeds it"
+            if current is not None and current.memory_factor(candidate) != 1.0:
+                reasons += f" (calibrated: x{current.memory_factor(candidate):.3f})"
+            trial.set_user_attr("pruned_reason", "does not fit: " + reasons)
+            trial.set_user_attr("ledger", ledger_json(ledger))
             raise optuna.TrialPruned(trial.user_attrs["pruned_reason"])
         tolerance = spec.trial.tolerance(candidate.precision)
         previous = _finished(trial.study, key, exclude=trial.number) or _acquire(trial, key, gate)
@@ -296,11 +316,49 @@ def _finished(study: optuna.Study, key: str, *, exclude: int) -> optuna.trial.Fr
     return None
 
 
-def open_study(*, spec: StudySpec, storage: str) -> optuna.Study:
+def open_study(*, spec: StudySpec, storage: str, sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
     """Create or join the study on ``storage`` (a URL, see :mod:`optimizer.storage`); UserError if unreachable."""
     opened = open_storage(storage, workers=spec.workers)
     try:
         return optuna.create_study(study_name=spec.name, storage=opened, directions=list(DIRECTIONS),
-                                   load_if_exists=True)
+                                   load_if_exists=True, sampler=sampler)
     except Exception as err:  # sqlalchemy / journal errors differ by backend
         raise storage_error(storage, err) from None
+
+
+def next_candidate(*, spec: StudySpec, space: Branches, trials: list[optuna.trial.FrozenTrial],
+                   models: StudyModels, verdicts: list[Verdict]) -> Candidate | None:
+    """The model's choice for the next launch: among candidates of the space that fit (calibrated), have no
+    result and are not queued or running, the one with the highest predicted throughput — or, while the time
+    model has no figures, the first in :func:`promise` order. None when nothing is left."""
+    taken = {t.user_attrs.get("candidate_key") for t in trials if t.state is optuna.trial.TrialState.RUNNING}
+    queued = [t.params for t in trials if t.state is optuna.trial.TrialState.WAITING]
+    done = final_keys(trials)
+    options = []
+    for verdict in verdicts:
+        candidate = verdict.candidate
+        key = candidate_key(candidate)
+        if verdict.ledger is None or not in_space(candidate, space) or key in taken or key in done \
+                or distribution_params(candidate, space) in queued:
+            continue
+        if not calibrated_verdict_fits(verdict, models=models, key=key, budget_bytes=verdict.ledger.gpu_capacity_bytes):
+            continue
+        options.append((order_key(verdict, spec=spec, models=models), candidate))
+    if not options:
+        return None
+    return min(options, key=lambda o: o[0])[1]
+
+
+def order_key(verdict: Verdict, *, spec: StudySpec, models: StudyModels) -> tuple:
+    """Most promising first: predicted throughput where the time model knows it, else :func:`promise`."""
+    speed = predicted_speed(verdict.candidate, spec=spec, models=models)
+    if isinstance(speed, str):
+        return (1, promise(verdict), verdict.candidate.label())
+    return (0, (-speed.tokens_per_s,), verdict.candidate.label())
+
+
+def final_keys(trials: list[optuna.trial.FrozenTrial]) -> set[str]:
+    """Candidates with a final result: measured, or failed with a classified outcome."""
+    return {t.user_attrs["candidate_key"] for t in trials if "candidate_key" in t.user_attrs and (
+        (t.state is optuna.trial.TrialState.COMPLETE and "loss_fidelity" in t.user_attrs)
+        or (t.state is optuna.trial.TrialState.FAIL and "outcome" in t.user_attrs))}

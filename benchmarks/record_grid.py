@@ -1,0 +1,106 @@
+"""Record a full grid of real measurements: every valid candidate of a study, launched once (issue 6's data).
+
+    python benchmarks/record_grid.py [STUDY.yaml] [--out benchmarks/data/grid-cpu.json]
+
+Default: studies/grid-cpu.yaml — the built-in tiny GPT on 2 CPU ranks, 84 valid candidates. Every valid
+candidate is launched regardless of what the ledger says (that is the point: the replay needs to know what
+a pruned candidate would have measured). The file is rewritten after every trial, so an interrupted
+recording resumes where it stopped. It holds the machine, the versions, the command and the study file's
+hash beside the measurements. Prints one line per candidate; asserts nothing.
+
+For each candidate it stores the measured per-rank peak (CPU ranks: the live-tensor peak, which on one
+host memory includes the optimizer states DeepSpeed offloads to the host), the ledger's device and host
+shares of the prediction, throughput, step time and loss fidelity. The replay (search_efficiency.py)
+compares the *device* share with the per-rank budget: measured peak − the ledger's host items, which are
+DeepSpeed's own offload buffers (checked byte for byte in tests/deepspeed/test_model_states_real.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+
+from launchers.trial import check_devices, reference_losses, run_trial
+from optimizer.ledger import evaluate
+from optimizer.specs import baseline_candidate
+from optimizer.study_file import load_study
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def machine() -> dict[str, object]:
+    """What the grid was measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": memory, "os": platform.platform(),
+            "python": platform.python_version(),
+            "versions": {name: metadata.version(name) for name in ("torch", "deepspeed", "optuna", "dsopt")}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("study", nargs="?", default=str(ROOT / "studies" / "grid-cpu.yaml"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "data" / "grid-cpu.json"))
+    args = parser.parse_args()
+    study = load_study(args.study)
+    check_devices(study)
+    out = Path(args.out)
+    data = json.loads(out.read_text()) if out.exists() else None
+    study_hash = hashlib.sha256(Path(args.study).read_bytes()).hexdigest()
+    if data is None or data.get("study_sha256") != study_hash:
+        data = {"study": study.name, "study_file": os.path.relpath(study.path, ROOT), "study_sha256": study_hash,
+                "command": " ".join(["python", *sys.argv]), "started": datetime.now(UTC).isoformat(),
+                "machine": machine(), "budget_bytes_per_rank": study.hardware.gpu_memory_bytes, "candidates": []}
+    done = {entry["label"] for entry in data["candidates"]}
+    reference = reference_losses(study)
+    spec = {"model": study.model, "hardware": study.hardware, "training": study.training}
+    candidates = [c for c in study.search_space.candidates(baseline_candidate(study.training))
+                  if evaluate(candidate=c, **spec).ledger is not None]
+    print(f"{len(candidates)} valid candidates, {len(done)} already recorded in {out}", flush=True)
+    for candidate in candidates:
+        if candidate.label() in done:
+            continue
+        verdict = evaluate(candidate=candidate, **spec)
+        ledger = verdict.ledger
+        assert ledger is not None
+        device = ledger.per_gpu()["total"]
+        per_rank = ledger.host_bytes // ledger.ranks_per_node if ledger.device_is_host else device
+        start = time.monotonic()
+        result = run_trial(study=study, candidate=candidate, reference_losses=reference)
+        entry = {
+            "label": candidate.label(), "knobs": candidate.knobs(), "outcome": result.outcome.value,
+            "measured_peak_bytes": result.peak_memory_bytes, "predicted_device_bytes": device,
+            "predicted_host_bytes": per_rank - device, "predicted_needed_bytes": ledger.gpu_needed_bytes,
+            "ledger_fits": verdict.fits, "tokens_per_s": result.tokens_per_s, "step_time_s": result.step_time_s,
+            "loss_fidelity": result.loss_fidelity, "wall_s": round(time.monotonic() - start, 2),
+        }
+        data["candidates"].append(entry)
+        data["finished"] = datetime.now(UTC).isoformat()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        tmp.replace(out)
+        peak = (result.peak_memory_bytes or 0) / 1e6
+        speed = f"{result.tokens_per_s:,.0f}" if result.tokens_per_s else "-"
+        print(f"[{len(data['candidates'])}/{len(candidates)}] {candidate.label()}: {result.outcome.value}, "
+              f"peak {peak:.3f} MB, {speed} tokens/s, {entry['wall_s']} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

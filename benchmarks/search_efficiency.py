@@ -1,0 +1,375 @@
+"""Search efficiency: replay search strategies against a recorded grid of real measurements (issue 6).
+
+    python benchmarks/search_efficiency.py [--grid benchmarks/data/grid-cpu.json] [--seeds 20]
+
+The grid (benchmarks/record_grid.py) holds one real DeepSpeed measurement per valid candidate. A strategy
+"launches" a candidate by looking its measurement up; what counts is how many launches it needs before it
+has launched a feasible candidate within 2 % of the grid's best feasible throughput.
+
+Ground truth, per candidate: the device share of the measured peak (measured − the ledger's host items,
+see record_grid.py) above the per-rank budget is an **OOM launch** (on a GPU it would have run out of
+memory); **feasible** = ran ok, no OOM, loss fidelity within the precision's tolerance.
+
+Strategies:
+* **dsopt** — the study as built (launchers/study_run.run_study): ledger pruning with the calibrated memory
+  factor, the enqueued seeds, calibrated time-model ordering with every 3rd launch left to TPE; the launches
+  are replaced by look-ups (its ``runner``), everything else is the real code, on a SQLite storage.
+* **autotuner** — DeepSpeed's Autotuner walk as its source implements it (deepspeed/autotuning/autotuner.py:
+  tune, tune_space, get_min_max_micro_batch_size, get_tuning_micro_batch_size_list): ZeRO stages in order;
+  per stage the maximum micro-batch from its memory model ((budget − Adam model states of the stage) //
+  forward activation memory at micro-batch 1), a probe of the minimum micro-batch, then of ~1.05×, 1×,
+  0.95× the maximum, a binary search if none runs, then the top micro-batches; a stage is skipped when its
+  computed maximum is below the previous stage's. It tunes neither offload nor precision nor checkpointing
+  (the baseline's are used). Adapted to a fixed global batch (its gradient accumulation follows the
+  micro-batch) and to the space's micro-batch values (a computed size maps to the largest listed one below
+  it). Deterministic: one run.
+* **tpe** — Optuna's TPE over the same conditional space with no ledger: every sample is launched.
+* **random** — the valid candidates in a random order.
+
+A strategy that samples a candidate it already launched reuses the result (no launch). Reported per strategy
+over the seeds: launches to ≥ 98 % of the best (median, worst; "never" counts as all its launches), OOM
+launches, and for dsopt the false prunes (pruned by the ledger, measured to fit) and the time model's
+Spearman rank correlation with the measured throughput of every ok candidate (calibrated on the trials of a
+run, median over runs). Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import optuna
+
+from launchers.study_run import run_study
+from optimizer.knobs import Candidate, Precision, ZeroStage, parse_knob
+from optimizer.ledger import evaluate
+from optimizer.ordering import candidate_of, study_models
+from optimizer.search import branches, sample_candidate
+from optimizer.specs import baseline_candidate
+from optimizer.study_file import StudySpec, load_study
+from optimizer.throughput import StepTime, predict, work
+from optimizer.transformer import activation_estimate, parameter_count
+from optimizer.trial_result import Outcome, RankMeasurement, TrialResult
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = 0.98
+
+
+class StopReplay(Exception):
+    """The strategy reached the target: stop it."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Grid:
+    """The recorded grid and its ground truth."""
+
+    spec: StudySpec
+    entries: dict[str, dict]
+    best_tokens_per_s: float
+
+    def oom(self, entry: dict) -> bool:
+        device = (entry["measured_peak_bytes"] or 0) - entry["predicted_host_bytes"]
+        return entry["outcome"] == "oom" or (entry["outcome"] == "ok" and device > self.spec.hardware.gpu_memory_bytes)
+
+    def feasible(self, entry: dict) -> bool:
+        if entry["outcome"] != "ok" or self.oom(entry) or entry["loss_fidelity"] is None:
+            return False
+        return entry["loss_fidelity"] <= self.spec.trial.tolerance(Precision(entry["knobs"]["precision"]))
+
+    def hit(self, entry: dict) -> bool:
+        return self.feasible(entry) and entry["tokens_per_s"] >= TARGET * self.best_tokens_per_s
+
+
+def load_grid(path: Path) -> Grid:
+    data = json.loads(path.read_text())
+    spec = load_study(ROOT / data["study_file"])
+    entries = {e["label"]: e for e in data["candidates"]}
+    grid = Grid(spec=spec, entries=entries, best_tokens_per_s=0.0)
+    best = max(e["tokens_per_s"] for e in entries.values() if grid.feasible(e))
+    return Grid(spec=spec, entries=entries, best_tokens_per_s=best)
+
+
+@dataclass
+class Run:
+    """One strategy run: the launches in order."""
+
+    launched: list[str]
+    reached_at: int | None = None
+    false_prunes: int = 0
+    spearman: float | None = None
+
+    def launch(self, grid: Grid, label: str) -> dict:
+        entry = grid.entries[label]
+        self.launched.append(label)
+        if self.reached_at is None and grid.hit(entry):
+            self.reached_at = len(self.launched)
+        return entry
+
+    def ooms(self, grid: Grid) -> int:
+        return sum(1 for label in self.launched if grid.oom(grid.entries[label]))
+
+
+def as_result(grid: Grid, entry: dict) -> TrialResult:
+    """A recorded measurement as the TrialResult a launch would have returned."""
+    if grid.oom(entry):
+        return TrialResult(outcome=Outcome.OOM, message="replay: device share of the measured peak exceeds the budget")
+    if entry["outcome"] != "ok":
+        return TrialResult(outcome=Outcome(entry["outcome"]), message="replay")
+    rank = RankMeasurement(rank=0, peak_allocated_bytes=entry["measured_peak_bytes"], peak_reserved_bytes=None,
+                           peak_rss_bytes=0, step_times_s=(entry["step_time_s"],))
+    return TrialResult(outcome=Outcome.OK, ranks=(rank,), step_time_s=entry["step_time_s"],
+                       tokens_per_s=entry["tokens_per_s"], loss_fidelity=entry["loss_fidelity"])
+
+
+def run_dsopt(grid: Grid, seed: int, folder: Path) -> Run:
+    run = Run(launched=[])
+
+    def runner(candidate: Candidate, _reference: list[float]) -> TrialResult:
+        entry = run.launch(grid, candidate.label())
+        result = as_result(grid, entry)
+        if run.reached_at is not None:
+            raise StopReplay
+        return result
+
+    storage = f"sqlite:///{folder / f'dsopt-{seed}.db'}"
+    spec = grid.spec
+    with contextlib.suppress(StopReplay):
+        run_study(spec=spec, storage=storage, n_trials=None, timeout_s=None, runner=runner,
+                  reference=lambda: [], sampler=optuna.samplers.TPESampler(seed=seed))
+    study = optuna.load_study(study_name=spec.name, storage=storage)
+    trials = study.get_trials(deepcopy=False)
+    base = baseline_candidate(spec.training)
+    pruned = {candidate_of(t.user_attrs["candidate"], base).label() for t in trials
+              if t.state is optuna.trial.TrialState.PRUNED and "does not fit" in t.user_attrs.get("pruned_reason", "")}
+    run.false_prunes = sum(1 for label in pruned if _fits(grid, grid.entries[label]))
+    models = study_models(spec=spec, trials=trials, base=base)
+    run.spearman = spearman_of(grid, models.rates)
+    return run
+
+
+def _fits(grid: Grid, entry: dict) -> bool:
+    return entry["outcome"] == "ok" and not grid.oom(entry)
+
+
+def spearman_of(grid: Grid, rates) -> float | None:
+    """Spearman's ρ between predicted and measured tokens/s over the ok candidates of the grid the model can
+    predict (a figure no launched trial exercised, e.g. CPU Adam before any offload trial, stays unknown)."""
+    base = baseline_candidate(grid.spec.training)
+    predicted, measured = [], []
+    for entry in grid.entries.values():
+        if entry["outcome"] != "ok":
+            continue
+        candidate = candidate_of(entry["knobs"], base)
+        job = work(candidate=candidate, model=grid.spec.model, hardware=grid.spec.hardware,
+                   training=grid.spec.training)
+        step = predict(job=job, rates=rates, ranks=grid.spec.hardware.world_size)
+        if not isinstance(step, StepTime):
+            continue
+        predicted.append(step.tokens_per_s)
+        measured.append(entry["tokens_per_s"])
+    return spearman(predicted, measured) if len(predicted) >= 3 else None
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(values: list[float]) -> np.ndarray:
+        order = np.argsort(values, kind="mergesort")
+        r = np.empty(len(values))
+        r[order] = np.arange(len(values), dtype=float)
+        for value in set(values):  # average ranks of ties
+            idx = [i for i, v in enumerate(values) if v == value]
+            r[idx] = r[idx].mean()
+        return r
+
+    return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
+
+
+def run_random(grid: Grid, seed: int) -> Run:
+    labels = sorted(grid.entries)
+    random.Random(seed).shuffle(labels)
+    run = Run(launched=[])
+    for label in labels:
+        run.launch(grid, label)
+        if run.reached_at is not None:
+            break
+    return run
+
+
+def run_tpe(grid: Grid, seed: int) -> Run:
+    spec = grid.spec
+    space = branches(spec)
+    base = baseline_candidate(spec.training)
+    study = optuna.create_study(directions=["minimize", "maximize"], sampler=optuna.samplers.TPESampler(seed=seed))
+    run = Run(launched=[])
+    seen: dict[str, tuple[float, float] | None] = {}
+    for _ in range(5000):
+        if run.reached_at is not None or len(seen) == len(grid.entries):
+            break
+        trial = study.ask()
+        label = sample_candidate(trial, space, base).label()
+        if label not in seen:
+            entry = run.launch(grid, label)
+            seen[label] = None if not _fits(grid, entry) else (
+                float(entry["measured_peak_bytes"]), float(entry["tokens_per_s"]))
+        values = seen[label]
+        if values is None:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        else:
+            study.tell(trial, list(values))
+    return run
+
+
+def run_autotuner(grid: Grid) -> Run:
+    """DeepSpeed's Autotuner walk (module doc), launching through the grid."""
+    spec = grid.spec
+    base = baseline_candidate(spec.training)
+    allowed = sorted(int(m) for m in dict(spec.search_space.values).get("micro_batch_size", (base.micro_batch_size,)))
+    stages = sorted(int(s) for s in dict(spec.search_space.values).get("zero_stage", (base.zero_stage,)))
+    psi = parameter_count(spec.model)
+    ranks = spec.hardware.world_size
+    budget = spec.hardware.gpu_memory_bytes
+    fp16 = base.precision is not Precision.FP32
+    # Forward-only activation profile at micro-batch 1, no checkpointing (the Autotuner's model-info run).
+    act = activation_estimate(spec.model, checkpointing=parse_knob("checkpointing", "none"),
+                              seq=spec.training.sequence_length, micro_batch=1, element_bytes=2 if fp16 else 4)
+    act_bytes = max(1, act.stored_bytes)
+    run = Run(launched=[])
+    results: dict[int, dict[int, float]] = {}
+
+    def launch(stage: int, mbs: int) -> float:
+        candidate = parse_candidate(base, stage, mbs)
+        if evaluate(candidate=candidate, model=spec.model, hardware=spec.hardware,
+                    training=spec.training).ledger is None:
+            return 0.0
+        entry = run.launch(grid, candidate.label())
+        value = entry["tokens_per_s"] if _fits(grid, entry) else 0.0
+        results.setdefault(stage, {})[mbs] = value
+        return value
+
+    def listed_at_most(value: int) -> int | None:
+        fitting = [m for m in allowed if m <= value]
+        return max(fitting) if fitting else None
+
+    prev_max = 0
+    for stage in stages:
+        params = psi * (2 if fp16 else 4)
+        grads = psi * (2 if fp16 else 4)
+        optim = psi * (16 if fp16 else 8)
+        if stage >= 1:
+            optim /= ranks
+        if stage >= 2:
+            grads /= ranks
+        if stage >= 3:
+            params /= ranks
+        calc_max = int(budget - (params + grads + optim)) // act_bytes
+        if calc_max < prev_max:
+            continue
+        if not launch(stage, allowed[0]):
+            continue
+        top = listed_at_most(min(calc_max, allowed[-1]))
+        found = None
+        for probe in (int(np.ceil(1.05 * (top or 0))), top or 0, int(0.95 * (top or 0))):
+            probe = listed_at_most(probe) if probe else None
+            if probe is None:
+                continue
+            if probe in results.get(stage, {}):
+                found = probe if results[stage][probe] else None
+                if found:
+                    break
+                continue
+            if launch(stage, probe):
+                found = probe
+                break
+        if found is None:  # binary search for the largest micro-batch that runs
+            low, high = 0, allowed.index(top) if top in allowed else 0
+            while low <= high:
+                mid = (low + high) // 2
+                value = results.get(stage, {}).get(allowed[mid])
+                if value is None:
+                    value = launch(stage, allowed[mid])
+                if value:
+                    found, low = allowed[mid], mid + 1
+                else:
+                    high = mid - 1
+        if found is None:
+            continue
+        prev_max = max(prev_max, found)
+        # get_tuning_micro_batch_size_list: sizes from max/2 to max (3 of them)
+        for mbs in [m for m in allowed if found // 2 <= m <= found]:
+            if mbs not in results.get(stage, {}):
+                launch(stage, mbs)
+        if run.reached_at is not None:
+            break
+    return run
+
+
+def parse_candidate(base: Candidate, stage: int, mbs: int) -> Candidate:
+    from dataclasses import replace
+
+    return replace(base, zero_stage=ZeroStage(stage), micro_batch_size=mbs)
+
+
+def summarize(name: str, runs: list[Run], grid: Grid) -> str:
+    """One table row; a run that never reached the target counts as infinitely many launches."""
+    total = len(grid.entries)
+    launches = sorted(float("inf") if r.reached_at is None else r.reached_at for r in runs)
+    never = sum(1 for r in runs if r.reached_at is None)
+
+    def text(value: float) -> str:
+        return "never" if value == float("inf") else f"{value:g} ({value / total:.0%})"
+
+    worst = text(launches[-1]) + (f" — {never} of {len(runs)} runs never, after "
+                                  f"{max(len(r.launched) for r in runs if r.reached_at is None)} launches"
+                                  if never else "")
+    ooms = [r.ooms(grid) for r in runs]
+    false = [r.false_prunes for r in runs]
+    rho = [r.spearman for r in runs if r.spearman is not None]
+    return (f"| {name} | {len(runs)} | {text(statistics.median(launches))} | {worst} | "
+            f"{statistics.median(ooms):g} (max {max(ooms)}) | {statistics.median(false):g} (max {max(false)}) | "
+            + (f"{statistics.median(rho):.2f}" if rho else "-") + " |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grid", default=str(ROOT / "benchmarks" / "data" / "grid-cpu.json"))
+    parser.add_argument("--seeds", type=int, default=20)
+    args = parser.parse_args()
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    grid = load_grid(Path(args.grid))
+    spec = grid.spec
+    entries = list(grid.entries.values())
+    feasible = [e for e in entries if grid.feasible(e)]
+    best = max(feasible, key=lambda e: e["tokens_per_s"])
+    static_false = sum(1 for e in entries if not e["ledger_fits"] and _fits(grid, e))
+    measured_fit = sum(1 for e in entries if _fits(grid, e))
+    machine = json.loads(Path(args.grid).read_text())["machine"]["cpu"]
+    print(f"grid {Path(args.grid).name}: {len(entries)} candidates on {machine}; "
+          f"{len(feasible)} feasible, {sum(grid.oom(e) for e in entries)} OOM (device share > "
+          f"{spec.hardware.gpu_memory_bytes / 1e6:g} MB per rank); best {best['tokens_per_s']:,.0f} tokens/s "
+          f"({best['label']}); target ≥ {TARGET:.0%} = {TARGET * best['tokens_per_s']:,.0f} tokens/s; "
+          f"{sum(grid.hit(e) for e in entries)} candidate(s) reach it")
+    print(f"uncalibrated ledger: {static_false} false prune(s) of {measured_fit} candidates measured to fit "
+          f"({static_false / max(1, measured_fit):.1%})\n")
+    print("| strategy | runs | launches to ≥98% best, median | worst | OOM launches | false prunes | "
+          "time-model Spearman ρ |")
+    print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as folder:
+        rows = [
+            summarize("dsopt", [run_dsopt(grid, seed, Path(folder)) for seed in range(args.seeds)], grid),
+            summarize("autotuner walk", [run_autotuner(grid)], grid),
+            summarize("TPE, no ledger", [run_tpe(grid, seed) for seed in range(args.seeds)], grid),
+            summarize("random", [run_random(grid, seed) for seed in range(args.seeds)], grid),
+        ]
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The study's calibrated models and the order of launches (pure Optuna-trial reading, no I/O).
+
+After every trial a worker refits the study's corrections (:mod:`optimizer.calibration`) from all its
+measured trials, stores them in the study (``dsopt_calibration``) and uses them twice:
+
+* **pruning** — the ledger's device need × the memory factor of the candidate's group (:func:`memory_group`)
+  against the budget (a candidate measured to fit is never pruned);
+* **ordering** — the next launch is the feasible, not yet measured, not in flight candidate with the highest
+  predicted throughput (calibrated time model once :data:`MIN_TIME_SAMPLES` trials are measured; before
+  that the hardware profile's model, or the provisional :func:`~optimizer.search.promise` order when the
+  profile lacks a figure), except that every :data:`EXPLORE_EVERY`-th trial is left to the Optuna sampler
+  (TPE) to explore the rest of the space.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import optuna
+
+from optimizer.calibration import MemorySample, TimeSample, calibrated_fits, fit_rates, memory_factor
+from optimizer.knobs import Candidate, parse_knob
+from optimizer.ledger import Verdict
+from optimizer.specs import TransformerModel
+from optimizer.study_file import StudySpec
+from optimizer.throughput import FEATURES, Rates, StepTime, predict, profile_rates, work
+
+MIN_TIME_SAMPLES = 3
+"""Measured trials needed before the calibrated time model orders launches."""
+EXPLORE_EVERY = 3
+"""Every third trial of a worker is the sampler's choice, the others the model's."""
+CALIBRATION_ATTR = "dsopt_calibration"
+"""Study attribute holding the latest corrections."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StudyModels:
+    """The study's corrected models."""
+
+    rates: Rates
+    """Seconds per unit of work (calibrated, or the profile's)."""
+    memory_factors: tuple[tuple[str, float], ...]
+    """Measured / predicted device bytes per :func:`memory_group` with measurements (guarded, see
+    :func:`optimizer.calibration.memory_factor`); other groups keep the ledger's figure (factor 1)."""
+    time_samples: int
+    """Measured trials behind ``rates``."""
+    measured_fits: frozenset[str]
+    """Candidate keys measured to fit (never pruned)."""
+
+    def memory_factor(self, candidate: Candidate) -> float:
+        """The correction of ``candidate``'s group (1 where nothing of its group was measured)."""
+        return dict(self.memory_factors).get(memory_group(candidate), 1.0)
+
+    def to_attr(self) -> dict[str, object]:
+        """JSON for the study attribute."""
+        return {"seconds_per": dict(zip(FEATURES, self.rates.seconds_per, strict=True)),
+                "source": self.rates.source, "memory_factors": dict(self.memory_factors),
+                "time_samples": self.time_samples}
+
+
+def memory_group(candidate: Candidate) -> str:
+    """Candidates whose ledger error is alike: the same stage, precision, checkpointing and offload — the
+    ledger's terms differ between groups (measured on grid-cpu: under ZeRO-0 bf16 without checkpointing the
+    ledger is 5–17 % low, with full checkpointing within 3 %), so one study-wide factor would carry one
+    group's error into another."""
+    k = candidate.knobs()
+    return f"z{k['zero_stage']}-{k['precision']}-{k['checkpointing']}-opt{k['offload_optimizer']}-p{k['offload_param']}"
+
+
+def candidate_of(knobs: dict[str, object], base: Candidate) -> Candidate:
+    """The candidate a trial's ``candidate`` attribute describes."""
+    from dataclasses import replace
+
+    return replace(base, **{name: parse_knob(name, str(value)) for name, value in knobs.items()})
+
+
+def measured_trials(trials: Iterable[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+    """Trials that launched and measured (not reused)."""
+    return [t for t in trials if t.state is optuna.trial.TrialState.COMPLETE and "reused_from" not in t.user_attrs
+            and "step_time_s" in t.user_attrs]
+
+
+def device_bytes_measured(trial: optuna.trial.FrozenTrial) -> int:
+    """The measured peak minus the ledger's host share (CPU ranks keep offloaded states in the same memory)."""
+    return int(trial.user_attrs.get("peak_memory_bytes") or 0) - int(trial.user_attrs.get("predicted_host_bytes", 0))
+
+
+def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial], base: Candidate) -> StudyModels:
+    """Fit the corrections from the study's measured trials."""
+    assert isinstance(spec.model, TransformerModel)
+    budget = spec.hardware.gpu_memory_bytes
+    measured = measured_trials(trials)
+    time_samples, fits = [], set()
+    memory_samples: dict[str, list[MemorySample]] = {}
+    for t in measured:
+        candidate = candidate_of(t.user_attrs["candidate"], base)
+        job = work(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training)
+        if t.user_attrs.get("step_time_s"):
+            time_samples.append(TimeSample(work=job, step_time_s=float(t.user_attrs["step_time_s"])))
+        device = device_bytes_measured(t)
+        needed = int(t.user_attrs.get("predicted_gpu_needed_bytes", 0))
+        if needed and device > 0:
+            fit = device <= budget
+            memory_samples.setdefault(memory_group(candidate), []).append(MemorySample(
+                predicted_bytes=needed, measured_bytes=device, fits_budget_bytes=budget if fit else None))
+            if fit:
+                fits.add(t.user_attrs["candidate_key"])
+    for t in trials:  # an OOM says only that the need exceeded the budget: a lower bound of its group's factor
+        if t.state is optuna.trial.TrialState.FAIL and t.user_attrs.get("outcome") == "oom" \
+                and "reused_from" not in t.user_attrs and t.user_attrs.get("predicted_gpu_needed_bytes"):
+            candidate = candidate_of(t.user_attrs["candidate"], base)
+            memory_samples.setdefault(memory_group(candidate), []).append(MemorySample(
+                predicted_bytes=int(t.user_attrs["predicted_gpu_needed_bytes"]), measured_bytes=budget + 1,
+                fits_budget_bytes=None))
+    prior = profile_rates(hardware=spec.hardware)
+    rates = fit_rates(time_samples, prior=prior) if len(time_samples) >= MIN_TIME_SAMPLES else prior
+    factors = tuple(sorted((group, memory_factor(samples)) for group, samples in memory_samples.items()))
+    return StudyModels(rates=rates, memory_factors=factors, time_samples=len(time_samples),
+                       measured_fits=frozenset(fits))
+
+
+def calibrated_verdict_fits(verdict: Verdict, *, models: StudyModels, key: str, budget_bytes: int) -> bool:
+    """The pruning rule with the study's memory factor (host and NVMe checks stay the ledger's)."""
+    ledger = verdict.ledger
+    if ledger is None:
+        return False
+    if ledger.fits_host is False or ledger.fits_nvme is False:
+        return False
+    return calibrated_fits(predicted_bytes=ledger.gpu_needed_bytes, budget_bytes=budget_bytes,
+                           factor=models.memory_factor(verdict.candidate), measured_fit=key in models.measured_fits)
+
+
+def predicted_speed(candidate: Candidate, *, spec: StudySpec, models: StudyModels) -> StepTime | str:
+    """The (calibrated) throughput model's prediction for ``candidate``."""
+    assert isinstance(spec.model, TransformerModel)
+    job = work(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training)
+    return predict(job=job, rates=models.rates, ranks=spec.hardware.world_size)
