@@ -240,7 +240,8 @@ def _guide(study: optuna.Study, *, spec: StudySpec, space: Branches, trials: lis
         return
     choice = next_candidate(spec=spec, space=space, trials=trials, models=models, verdicts=verdicts)
     if choice is not None:
-        study.enqueue_trial(distribution_params(choice, space), user_attrs={"ordered_by": models.rates.source})
+        study.enqueue_trial(distribution_params(choice, space),
+                            user_attrs={"enqueued_by": f"model ({models.rates.source})"})
 
 
 def _stop_reason(*, trials: list[optuna.trial.FrozenTrial], spec: StudySpec, gate: LaunchGate, fitting: set[str],

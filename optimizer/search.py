@@ -167,7 +167,8 @@ def seed_study(study: optuna.Study, spec: StudySpec, space: Branches) -> int:
     fitting = sorted((v for v in verdicts if v.fits and in_space(v.candidate, space)),
                      key=lambda v: order_key(v, spec=spec, models=models))
     for verdict in fitting[:SEED_ENQUEUE]:
-        study.enqueue_trial(distribution_params(verdict.candidate, space), skip_if_exists=True)
+        study.enqueue_trial(distribution_params(verdict.candidate, space), skip_if_exists=True,
+                            user_attrs={"enqueued_by": "seed"})
     study.set_user_attr("dsopt_seeded", True)
     return min(len(fitting), SEED_ENQUEUE)
 
@@ -201,7 +202,8 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
                    artifact_dir: Callable[[Candidate], str] | None = None,
                    gate: LaunchGate | None = None,
                    models: Callable[[], StudyModels | None] | None = None) -> Callable[[optuna.Trial], tuple]:
-    """The objective: ledger first (prune), then reuse, then the launch gate, then a real trial (``runner``).
+    """The objective: invalid → prune; measured already → reuse; predicted not to fit → prune; then the launch
+    gate, then a real trial (``runner``).
 
     ``artifact_dir`` names where a launched trial keeps its files (recorded as the ``trial_dir`` attribute).
     A trial that finds the budget spent is PRUNED with ``budget_stop`` set. ``models`` gives the study's
@@ -226,6 +228,10 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
         host_share = (ledger.host_bytes // ledger.ranks_per_node - ledger.per_gpu()["total"]) \
             if ledger.device_is_host else 0
         trial.set_user_attr("predicted_host_bytes", host_share)
+        tolerance = spec.trial.tolerance(candidate.precision)
+        previous = _finished(trial.study, key, exclude=trial.number)
+        if previous is not None:  # measured already: its result stands, whatever the models say now
+            return _reuse(trial, previous, tolerance)
         current = models() if models is not None else None
         fits = verdict.fits
         if current is not None:
@@ -239,8 +245,7 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
             trial.set_user_attr("pruned_reason", "does not fit: " + reasons)
             trial.set_user_attr("ledger", ledger_json(ledger))
             raise optuna.TrialPruned(trial.user_attrs["pruned_reason"])
-        tolerance = spec.trial.tolerance(candidate.precision)
-        previous = _finished(trial.study, key, exclude=trial.number) or _acquire(trial, key, gate)
+        previous = _acquire(trial, key, gate)
         if previous is not None:
             return _reuse(trial, previous, tolerance)
         if artifact_dir is not None:

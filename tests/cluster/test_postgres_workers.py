@@ -53,8 +53,8 @@ def test_three_workers_share_one_study(tmp_path, postgres_url):
     reference_runs = [r for r in launches(study_dir) if r["event"] == "start" and r["trial_dir"].endswith("/reference")]
     assert len(reference_runs) == 1
     stored = _stored(path, postgres_url)
-    enqueued = [t for t in stored.get_trials() if "fixed_params" in t.system_attrs]
-    assert len(enqueued) == 3
+    seeds = [t for t in stored.get_trials() if t.user_attrs.get("enqueued_by") == "seed"]
+    assert len(seeds) == 3 and all("fixed_params" in t.system_attrs for t in seeds)
 
     # The global cap: exactly max_launches launches, all workers together, each candidate at most once.
     started = _trial_launches(study_dir)

@@ -95,6 +95,19 @@ def test_pareto_files_contain_the_measured_trials(finished, capsys):
         assert json.dumps(trial.values[1])[:8] in html  # the measured throughput is plotted
 
 
+def test_the_study_stores_its_calibration_and_shows_it(finished, capsys):
+    spec, study = finished
+    stored = study.user_attrs["dsopt_calibration"]
+    measured = [t for t in study.get_trials() if t.state is TrialState.COMPLETE and "reused_from" not in t.user_attrs]
+    # Refitted before each trial: it covers every measured trial but possibly the last one.
+    assert len(measured) - 1 <= stored["time_samples"] <= len(measured) and "memory_factors" in stored
+    assert main(["ledger", str(spec.path), "--calibrated"]) == 0
+    out = capsys.readouterr().out
+    for trial in measured:
+        assert f"| {trial.number} | " in out  # one row per measured trial, predicted vs measured
+    assert "fitted seconds per unit" in out
+
+
 def _no_rank_left() -> bool:
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=False).stdout
     return "launchers.trial_rank" not in out
