@@ -11,7 +11,7 @@ network bandwidth per device between nodes (cluster-specific: give ``hardware.in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from optimizer.knobs import Precision
 
@@ -47,30 +47,27 @@ _CPU_ADAM = ("host_adam_params_per_s 7e8: derived from DeepSpeed's ZenFlow blog 
              "ZeRO-2 240 ms/step, with CPU optimizer offload 1,365 ms → ~1.1 s for ~0.77e9 parameters per rank, "
              "PCIe transfers included); a host-dependent estimate")
 
+_A100 = HardwareProfile(
+    name="a100-40gb",
+    peak_flops=((Precision.BF16, 312e12), (Precision.FP16, 312e12), (Precision.FP32, 19.5e12)),
+    link_bytes_per_s=300e9, inter_node_bytes_per_s=None, pcie_bytes_per_s=32e9, host_adam_params_per_s=7e8,
+    sources=("NVIDIA A100 datasheet: 312 TFLOP/s bf16/fp16 dense, 19.5 TFLOP/s fp32, NVLink 3 600 GB/s "
+             "bidirectional, PCIe Gen4 x16 (~32 GB/s per direction)", _CPU_ADAM))
+_H100 = HardwareProfile(
+    name="h100-80gb",
+    peak_flops=((Precision.BF16, 989e12), (Precision.FP16, 989e12), (Precision.FP32, 67e12)),
+    link_bytes_per_s=450e9, inter_node_bytes_per_s=None, pcie_bytes_per_s=64e9, host_adam_params_per_s=7e8,
+    sources=("NVIDIA H100 SXM datasheet: ~989 TFLOP/s bf16/fp16 dense, 67 TFLOP/s fp32, NVLink 4 900 GB/s "
+             "bidirectional, PCIe Gen5 x16 ~64 GB/s per direction (REFERENCES.md)", _CPU_ADAM))
+
 PROFILES: dict[str, HardwareProfile] = {
-    "a100-40gb": HardwareProfile(
-        name="a100-40gb",
-        peak_flops=((Precision.BF16, 312e12), (Precision.FP16, 312e12), (Precision.FP32, 19.5e12)),
-        link_bytes_per_s=300e9, inter_node_bytes_per_s=None, pcie_bytes_per_s=32e9, host_adam_params_per_s=7e8,
-        sources=("NVIDIA A100 datasheet: 312 TFLOP/s bf16/fp16 dense, 19.5 TFLOP/s fp32, NVLink 3 600 GB/s "
-                 "bidirectional, PCIe Gen4 x16 (~32 GB/s per direction)", _CPU_ADAM)),
-    "a100-80gb": HardwareProfile(
-        name="a100-80gb",
-        peak_flops=((Precision.BF16, 312e12), (Precision.FP16, 312e12), (Precision.FP32, 19.5e12)),
-        link_bytes_per_s=300e9, inter_node_bytes_per_s=None, pcie_bytes_per_s=32e9, host_adam_params_per_s=7e8,
-        sources=("NVIDIA A100 datasheet (SXM 80 GB): as a100-40gb; HBM2e 2.0 TB/s", _CPU_ADAM)),
-    "h100-80gb": HardwareProfile(
-        name="h100-80gb",
-        peak_flops=((Precision.BF16, 989e12), (Precision.FP16, 989e12), (Precision.FP32, 67e12)),
-        link_bytes_per_s=450e9, inter_node_bytes_per_s=None, pcie_bytes_per_s=64e9, host_adam_params_per_s=7e8,
-        sources=("NVIDIA H100 SXM datasheet: ~989 TFLOP/s bf16/fp16 dense, 67 TFLOP/s fp32, NVLink 4 900 GB/s "
-                 "bidirectional, PCIe Gen5 x16 ~64 GB/s per direction (REFERENCES.md)", _CPU_ADAM)),
-    "h200-141gb": HardwareProfile(
-        name="h200-141gb",
-        peak_flops=((Precision.BF16, 989e12), (Precision.FP16, 989e12), (Precision.FP32, 67e12)),
-        link_bytes_per_s=450e9, inter_node_bytes_per_s=None, pcie_bytes_per_s=64e9, host_adam_params_per_s=7e8,
-        sources=("NVIDIA H200 datasheet: H100 SXM compute, HBM3e 4.8 TB/s; a lent H200 measured bf16 8192³ "
-                 "matmul ≈ 790 TFLOP/s (REFERENCES.md)", _CPU_ADAM)),
+    "a100-40gb": _A100,
+    "a100-80gb": replace(_A100, name="a100-80gb", sources=("NVIDIA A100 datasheet (SXM 80 GB): the 40 GB part's "
+                                                         "compute and links; HBM2e 2.0 TB/s", _CPU_ADAM)),
+    "h100-80gb": _H100,
+    "h200-141gb": replace(_H100, name="h200-141gb", sources=(
+        "NVIDIA H200 datasheet: H100 SXM compute, HBM3e 4.8 TB/s; a lent H200 measured bf16 8192³ matmul "
+        "≈ 790 TFLOP/s (REFERENCES.md)", _CPU_ADAM)),
     "cpu": HardwareProfile(
         name="cpu",
         peak_flops=((Precision.BF16, None), (Precision.FP16, None), (Precision.FP32, None)),
