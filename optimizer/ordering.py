@@ -15,7 +15,7 @@ measured trials, stores them in the study (``dsopt_calibration``) and uses them 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import optuna
 
@@ -70,8 +70,6 @@ def memory_group(candidate: Candidate) -> str:
 
 def candidate_of(knobs: dict[str, object], base: Candidate) -> Candidate:
     """The candidate a trial's ``candidate`` attribute describes."""
-    from dataclasses import replace
-
     return replace(base, **{name: parse_knob(name, str(value)) for name, value in knobs.items()})
 
 
