@@ -291,6 +291,35 @@ def _pareto(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trace(args: argparse.Namespace) -> int:
+    from launchers.trace import trace_rows
+
+    study = load_study(args.study)
+    if isinstance(study.model, SeedModel):
+        raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to trace")
+    rows = trace_rows(study=study, cache=study.output_dir / "traces.json")
+    if args.json:
+        print(json.dumps({"study": study.name, "rows": rows}, indent=2))
+        return 0
+    print(f"study {study.name}: one micro-batch ({study.training.micro_batch_size} x "
+          f"{study.training.sequence_length} tokens) on fake tensors; MB = 10^6 bytes; formula = Korthikanti "
+          "stored + recompute peak")
+    print("| checkpointing | precision | traced activations MB | formula MB | difference | temporaries MB | "
+          "peak phase | parameters traced / ledger |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        if row["source"] != "trace":
+            failure = row["failure"]
+            print(f"| {row['checkpointing']} | {row['precision']} | - | {row['formula_bytes'] / 1e6:.3f} | - | - | - | "
+                  f"warning: trace failed at {failure['op']} ({failure['message'][:80]}); the formula is used |")
+            continue
+        diff = (row["activation_bytes"] - row["formula_bytes"]) / row["formula_bytes"] if row["formula_bytes"] else 0
+        print(f"| {row['checkpointing']} | {row['precision']} | {row['activation_bytes'] / 1e6:.3f} | "
+              f"{row['formula_bytes'] / 1e6:.3f} | {diff:+.1%} | {row['temporary_bytes'] / 1e6:.3f} | "
+              f"{row['peak_phase']} | {row['parameters']:,} / {row['formula_parameters']:,} |")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from launchers.demo import DEMO_STUDY, run_demo
     from launchers.trial import ReferenceFailed
@@ -385,6 +414,10 @@ def build_parser() -> argparse.ArgumentParser:
     pareto.add_argument("--storage", default=None, help="Optuna storage URL (default: the study's sqlite file)")
     pareto.add_argument("--out", default=None, help="output folder (default: studies/NAME/)")
     pareto.set_defaults(run=_pareto)
+    trace = sub.add_parser("trace", help="activations of the study's own model on fake tensors, beside the formula")
+    trace.add_argument("study", help="study file with a transformer-mode model")
+    trace.add_argument("--json", action="store_true", help="print JSON (integer bytes)")
+    trace.set_defaults(run=_trace)
     demo = sub.add_parser("demo", help="a small real study on 2 CPU ranks, then export and Pareto plots")
     demo.add_argument("--study", default=None, help="study file (default: studies/demo-cpu.yaml)")
     demo.add_argument("--n-trials", type=_positive_int, default=16, help="finished trials to reach (default 16)")
