@@ -155,6 +155,10 @@ class StopReason:
     """One line for the user."""
 
 
+WAIT = StopReason(text="every remaining candidate is being run by another worker; waiting")
+"""Not a stop: wait for the other workers' trials."""
+
+
 def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s: float | None,
               runner: Callable[[Candidate, list[float]], TrialResult] | None = None,
               parallel: bool = False, reference: Callable[[], list[float]] | None = None,
@@ -206,9 +210,9 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
                                               budget_bytes=v.ledger.gpu_capacity_bytes)}
         stop = _stop_reason(trials=trials, spec=spec, gate=gate, fitting=fitting, ran=ran, n_trials=n_trials,
                             elapsed_s=time.monotonic() - start, timeout_s=timeout_s)
-        if stop == "wait":
+        if stop is WAIT:
             if not announced_wait:
-                _say(worker, "every remaining candidate is being run by another worker; waiting")
+                _say(worker, WAIT.text)
                 announced_wait = True
             time.sleep(WAIT_S)
             continue
@@ -245,8 +249,8 @@ def _guide(study: optuna.Study, *, spec: StudySpec, space: Branches, trials: lis
 
 
 def _stop_reason(*, trials: list[optuna.trial.FrozenTrial], spec: StudySpec, gate: LaunchGate, fitting: set[str],
-                 ran: int, n_trials: int | None, elapsed_s: float, timeout_s: float | None) -> StopReason | str | None:
-    """A StopReason, ``"wait"`` (only candidates in flight elsewhere are left), or None (run a trial)."""
+                 ran: int, n_trials: int | None, elapsed_s: float, timeout_s: float | None) -> StopReason | None:
+    """Why to stop, :data:`WAIT` (only candidates in flight elsewhere are left), or None (run a trial)."""
     if n_trials is not None and ran >= n_trials:
         return StopReason(text=f"this worker ran its {n_trials} trial(s)")
     if timeout_s is not None and elapsed_s >= timeout_s:
@@ -261,5 +265,5 @@ def _stop_reason(*, trials: list[optuna.trial.FrozenTrial], spec: StudySpec, gat
     waiting = any(t.state is TrialState.WAITING for t in trials)
     in_flight = {t.user_attrs.get("candidate_key") for t in trials if t.state is TrialState.RUNNING}
     if not waiting and left <= in_flight:
-        return "wait"
+        return WAIT
     return None

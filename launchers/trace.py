@@ -144,13 +144,13 @@ def cached_trace(*, cache: Path, model_spec: dict[str, Any], entry_point: str | 
 def trace_rows(*, study: Any, cache: Path | None = None) -> list[dict[str, Any]]:
     """One row per (checkpointing, precision) of the study's space at its baseline micro-batch: the trace
     beside the analytic formula (or the failure, with the formula as the figure used)."""
-    from launchers.trial import _model_dict
+    from launchers.trial import model_dict
     from optimizer.knobs import parse_checkpointing
     from optimizer.transformer import activation_estimate, parameter_count
 
     values = dict(study.search_space.values)
     model = study.model
-    spec = _model_dict(model)
+    spec = model_dict(model)
     rows = []
     for ckpt in values.get("checkpointing", ("none",)):
         for precision in values.get("precision", (Precision.FP32,)):

@@ -58,7 +58,8 @@ def candidate_slug(candidate: Candidate) -> str:
     return "-".join(parts)
 
 
-def _model_dict(model: TransformerModel) -> dict[str, Any]:
+def model_dict(model: TransformerModel) -> dict[str, Any]:
+    """The model spec as the JSON the ranks (and the tracer) build the model from."""
     return {f.name: (str(v) if hasattr(v, "value") else v)
             for f in dataclasses.fields(model) for v in [getattr(model, f.name)]}
 
@@ -115,7 +116,7 @@ def rank_plan(*, study: StudySpec, candidate: Candidate) -> dict[str, Any]:
     return {
         "config": build_ds_config(candidate=candidate, model=study.model, hardware=study.hardware,
                                   training=study.training),
-        "model": _model_dict(study.model),
+        "model": model_dict(study.model),
         "entry_point": study.model.entry_point,
         "checkpointing": str(candidate.checkpointing),
         "sequence_length": study.training.sequence_length,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from launchers.trace import TraceFailure, TraceResult, cached_trace, trace
-from launchers.trial import _model_dict
+from launchers.trial import model_dict
 from optimizer.cli import main
 from optimizer.knobs import Precision, parse_checkpointing
 from optimizer.specs import MlpKind, NormKind
@@ -24,7 +24,7 @@ def study():
 
 
 def _trace(model, *, checkpointing="none", precision=Precision.FP32, entry_point=None, mbs=2, seq=64):
-    return trace(model_spec=_model_dict(model), entry_point=entry_point, checkpointing=checkpointing,
+    return trace(model_spec=model_dict(model), entry_point=entry_point, checkpointing=checkpointing,
                  precision=precision, micro_batch=mbs, sequence_length=seq)
 
 
@@ -59,7 +59,7 @@ def test_an_untraceable_model_falls_back_with_the_op_named(study, tmp_path, caps
     result = _trace(study.model, entry_point="untraceable_workload:workload")
     assert isinstance(result, TraceFailure) and "nonzero" in result.op
     cache = tmp_path / "traces.json"
-    kwargs = {"model_spec": _model_dict(study.model), "entry_point": "untraceable_workload:workload",
+    kwargs = {"model_spec": model_dict(study.model), "entry_point": "untraceable_workload:workload",
               "checkpointing": "none", "precision": Precision.FP32, "micro_batch": 2, "sequence_length": 64}
     assert isinstance(cached_trace(cache=cache, **kwargs), TraceFailure)
     assert "nonzero" in cache.read_text()
