@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
+from launchers.trace import with_traced_activations
 from launchers.trial import check_devices, reference_losses, run_trial
 from optimizer.ledger import evaluate
 from optimizer.specs import baseline_candidate
@@ -57,7 +58,7 @@ def main() -> int:
     parser.add_argument("study", nargs="?", default=str(ROOT / "studies" / "grid-cpu.yaml"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "data" / "grid-cpu.json"))
     args = parser.parse_args()
-    study = load_study(args.study)
+    study = with_traced_activations(load_study(args.study))  # a study asking for traced activations gets them
     check_devices(study)
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else None

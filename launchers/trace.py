@@ -2,29 +2,45 @@
 
 PyTorch's ``FakeTensorMode`` runs the model without allocating memory (shapes, dtypes and devices only), and
 ``torch.distributed._tools.mem_tracker.MemTracker`` attributes every tensor it sees to parameters,
-gradients, activations or temporaries and records the peak. So a 1B-parameter model traces in seconds on a
-machine without a GPU. The model is the built-in GPT (:mod:`launchers.workload`) or the study's entry point,
-built directly in the training dtype (bf16/fp16 as DeepSpeed casts it, fp32 otherwise).
+gradients, activations (``ACT``: made in forward or in a recomputation) or temporaries (``TEMP``: made in
+backward, e.g. activation gradients). So a 1B-parameter model traces in seconds on a machine without a GPU.
+The model is the built-in GPT (:mod:`launchers.workload`), the ``transformers`` model of ``model.hf_config``
+(:mod:`launchers.hf_model`) or the study's entry point, built directly in the training dtype (bf16/fp16 as
+DeepSpeed casts it, fp32 otherwise).
 
-A model that cannot be traced — a data-dependent shape, an op without a fake implementation — gives a
-:class:`TraceFailure` naming the op, and callers fall back to the formula; tracing never crashes a study.
-Results are cached per (model, shape, granularity, precision, torch version) in ``studies/NAME/traces.json``.
+What the ledger takes from a trace is the **high-water mark of activations + temporaries** over forward and
+backward: MemTracker's own peak is of the total, which under checkpointing sits at the end of backward
+where parameters + gradients dominate and the activations are already freed — the wrong moment for the
+activation term. The high-water mark is kept by a MemTracker subclass that looks at every update. Sizes
+are rounded up to 512 bytes per storage as CUDA's caching allocator does (MemTracker's rule).
+
+A model that cannot be traced — a data-dependent shape, an op without a fake implementation, a missing
+package — gives a :class:`TraceFailure` naming the op, and callers fall back to the formula; tracing never
+crashes a study. Results are cached per (model, shape, granularity, precision, micro-batch, torch version)
+in ``studies/NAME/traces.json``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from launchers.workload import GPT, build_workload
-from optimizer.knobs import Precision
+from optimizer.knobs import Precision, SelectiveCheckpointing, parse_checkpointing
+from optimizer.specs import ActivationSource, TracedActivation, TransformerModel
 
 DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+TRACE_FORMAT = 3
+"""Bumped when :class:`TraceResult` changes, so older cache entries are traced again."""
+WORKING_KINDS = ("Activation", "Temp")
+"""MemTracker kinds that are activations (as opposed to parameters, buffers, gradients, optimizer states)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,14 +51,21 @@ class TraceResult:
     """Trainable parameters of the traced model."""
     largest_module_parameters: int
     """Parameters of the largest module's own tensors (what ZeRO-3 gathers at once)."""
-    activation_bytes: int
-    """Activations live at the peak (MemTracker ``ACT``)."""
-    temporary_bytes: int
-    """Temporaries live at the peak (MemTracker ``TEMP``: e.g. the loss's FP32 logits)."""
-    peak_bytes: int
-    """Everything live at the peak, parameters included."""
+    activation_peak_bytes: int
+    """High-water mark of activations + temporaries over forward and backward: the ledger's figure."""
     peak_phase: str
-    """``forward`` or ``backward``: where the peak happened."""
+    """``forward`` or ``backward``: where that high-water mark was."""
+    stored_bytes: int
+    """Activations + temporaries live when forward ends (what is kept for backward, and the loss)."""
+    blocks_stored_bytes: int
+    """Of ``stored_bytes``, what the decoder blocks left behind (their forwards' net activation growth)."""
+    blocks: int
+    """Decoder blocks found (the model's first ``ModuleList``; 0 when it has none)."""
+    total_peak_bytes: int
+    """MemTracker's own peak of everything live, parameters and gradients included."""
+    kept_by_op: dict[str, int]
+    """``stored_bytes`` by the forward op that made each tensor (``aten.clone``: contiguous copies; …),
+    largest first: the trace's own term-by-term account."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,52 +78,8 @@ class TraceFailure:
     """The first line of the error."""
 
 
-def trace_key(*, model_spec: dict[str, Any], entry_point: str | None, checkpointing: str, precision: Precision,
-              micro_batch: int, sequence_length: int) -> str:
-    """A cache key of everything that determines a trace."""
-    payload = {"model": model_spec, "entry_point": entry_point, "checkpointing": checkpointing,
-               "precision": str(precision), "micro_batch": micro_batch, "seq": sequence_length,
-               "torch": torch.__version__}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-
-
-def trace(*, model_spec: dict[str, Any], entry_point: str | None, checkpointing: str, precision: Precision,
-          micro_batch: int, sequence_length: int) -> TraceResult | TraceFailure:
-    """Trace one forward + backward of ``micro_batch`` samples (module doc)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    previous = torch.get_default_dtype()
-    try:
-        with FakeTensorMode():
-            torch.set_default_dtype(DTYPES[precision])
-            try:
-                if entry_point is None:  # the model alone: the synthetic data's setup needs real values
-                    model = GPT(model_spec, checkpointing=checkpointing)
-                else:
-                    model, _ = build_workload(model_spec=model_spec, checkpointing=checkpointing,
-                                              sequence_length=sequence_length, seed=0, entry_point=entry_point)
-            finally:
-                torch.set_default_dtype(previous)
-            tokens = torch.randint(0, int(model_spec.get("vocab_size", 2)), (micro_batch, sequence_length + 1))
-            tracker = MemTracker()
-            tracker.track_external(model)
-            with tracker:
-                loss = model(tokens)
-                after_forward = _total(tracker.get_tracker_snapshot("current"))
-                loss.backward()
-            peak = _by_kind(tracker.get_tracker_snapshot("peak"))
-    except Exception as err:  # every failure of a trace is data: the caller falls back to the formula
-        return _failure(err)
-    params = [p for p in model.parameters() if p.requires_grad]
-    own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
-    return TraceResult(parameters=sum(p.numel() for p in params), largest_module_parameters=max(own, default=0),
-                       activation_bytes=peak.get("Activation", 0), temporary_bytes=peak.get("Temp", 0),
-                       peak_bytes=peak.get("Total", 0),
-                       peak_phase="backward" if peak.get("Total", 0) > after_forward else "forward")
-
-
-def _by_kind(snapshot: dict) -> dict[str, int]:
+def _kinds(snapshot: dict) -> dict[str, int]:
+    """Bytes per MemTracker kind name (``Activation``, ``Temp``, ``Parameter``, …, ``Total``), all devices."""
     out: dict[str, int] = {}
     for per_device in snapshot.values():
         for kind, amount in per_device.items():
@@ -109,8 +88,136 @@ def _by_kind(snapshot: dict) -> dict[str, int]:
     return out
 
 
-def _total(snapshot: dict) -> int:
-    return _by_kind(snapshot).get("Total", 0)
+def _working(snapshot: dict) -> int:
+    kinds = _kinds(snapshot)
+    return sum(kinds.get(kind, 0) for kind in WORKING_KINDS)
+
+
+def _tracker() -> Any:
+    """A MemTracker that also keeps the activations' high-water mark and its phase (module doc)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class HighWaterTracker(MemTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.working_peak = 0
+            self.working_phase = "forward"
+
+        def _update_peak_stats(self, peak_state: Any) -> None:  # called after every op's outputs are tracked
+            super()._update_peak_stats(peak_state)
+            working = _working(self._curr_mem_snap)
+            if working > self.working_peak:
+                self.working_peak = working
+                self.working_phase = "backward" if self._mod_tracker.is_bw else "forward"
+
+    return HighWaterTracker()
+
+
+ALLOCATION_GRANULE = 512
+"""Bytes: MemTracker rounds each storage up to CUDA's smallest block (``_PYTORCH_MIN_ALLOCATE``); so do we."""
+
+
+def _kept_by_op_mode(existing: list[torch.Tensor]) -> Any:
+    """A dispatch mode noting which forward op made each new storage; ``kept()`` sums those still alive."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map_only
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    class KeptByOp(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.maker: WeakIdKeyDictionary = WeakIdKeyDictionary()
+            for tensor in existing:  # parameters, buffers, inputs: their views are not new memory
+                self.maker[tensor.untyped_storage()] = None
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            name = str(getattr(func, "overloadpacket", func))
+
+            def note(tensor: torch.Tensor) -> None:
+                storage = tensor.untyped_storage()
+                if storage not in self.maker:
+                    self.maker[storage] = name
+
+            tree_map_only(torch.Tensor, note, out)
+            return out
+
+        def kept(self) -> dict[str, int]:
+            totals: dict[str, int] = {}
+            for storage, name in self.maker.items():
+                if name is not None and storage.nbytes():
+                    size = -(-storage.nbytes() // ALLOCATION_GRANULE) * ALLOCATION_GRANULE
+                    totals[name] = totals.get(name, 0) + size
+            return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+    return KeptByOp()
+
+
+def _blocks(model: nn.Module) -> nn.ModuleList | None:
+    return next((m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)), None)
+
+
+def _block_growth(tracker: Any, block: nn.Module) -> int:
+    """Activations a block's (first) forward left behind: post-forward minus pre-forward."""
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    stats = tracker.memory_tracking.get(block)
+    if stats is None or _ModState.PRE_FW not in stats.snapshots or _ModState.POST_FW not in stats.snapshots:
+        return 0
+    return _working(stats.snapshots[_ModState.POST_FW][0]) - _working(stats.snapshots[_ModState.PRE_FW][0])
+
+
+def trace_key(*, model_spec: dict[str, Any], checkpointing: str, precision: Precision, micro_batch: int,
+              sequence_length: int) -> str:
+    """A cache key of everything that determines a trace."""
+    payload = {"model": model_spec, "checkpointing": checkpointing, "precision": str(precision),
+               "micro_batch": micro_batch, "seq": sequence_length, "torch": torch.__version__,
+               "format": TRACE_FORMAT}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precision, micro_batch: int,
+          sequence_length: int) -> TraceResult | TraceFailure:
+    """Trace one forward + backward of ``micro_batch`` samples (module doc). ``model_spec`` is
+    :func:`launchers.trial.model_dict` of the study's model (its ``entry_point`` and ``hf_config`` included)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from launchers.workload import build_model, load_entry_point
+
+    previous = torch.get_default_dtype()
+    try:
+        with FakeTensorMode():
+            torch.set_default_dtype(DTYPES[precision])
+            try:
+                if model_spec.get("entry_point"):
+                    model, _ = load_entry_point(model_spec["entry_point"])(model_spec, sequence_length, 0,
+                                                                           checkpointing)
+                else:  # the model alone: the synthetic data's setup needs real values
+                    model = build_model(model_spec, checkpointing=checkpointing)
+            finally:
+                torch.set_default_dtype(previous)
+            tokens = torch.randint(0, int(model_spec.get("vocab_size", 2)), (micro_batch, sequence_length + 1))
+            tracker = _tracker()
+            tracker.track_external(model)
+            by_op = _kept_by_op_mode([*model.parameters(), *model.buffers(), tokens])
+            with tracker:
+                with by_op:
+                    loss = model(tokens)
+                stored = _working(tracker.get_tracker_snapshot("current"))
+                kept_by_op = by_op.kept()
+                loss.backward()
+            total_peak = _kinds(tracker.get_tracker_snapshot("peak")).get("Total", 0)
+            blocks = _blocks(model)
+            blocks_stored = sum(_block_growth(tracker, block) for block in blocks) if blocks is not None else 0
+    except Exception as err:  # every failure of a trace is data: the caller falls back to the formula
+        return _failure(err)
+    params = [p for p in model.parameters() if p.requires_grad]
+    own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
+    return TraceResult(parameters=sum(p.numel() for p in params), largest_module_parameters=max(own, default=0),
+                       activation_peak_bytes=tracker.working_peak, peak_phase=tracker.working_phase,
+                       stored_bytes=stored, blocks_stored_bytes=blocks_stored,
+                       blocks=len(blocks) if blocks is not None else 0, total_peak_bytes=total_peak,
+                       kept_by_op=kept_by_op)
 
 
 def _failure(err: Exception) -> TraceFailure:
@@ -122,51 +229,120 @@ def _failure(err: Exception) -> TraceFailure:
     return TraceFailure(op=name, message=first[:300])
 
 
-def cached_trace(*, cache: Path, model_spec: dict[str, Any], entry_point: str | None, checkpointing: str,
-                 precision: Precision, micro_batch: int, sequence_length: int) -> TraceResult | TraceFailure:
-    """:func:`trace`, cached in the JSON file ``cache`` (failures are cached too, with their reason)."""
-    key = trace_key(model_spec=model_spec, entry_point=entry_point, checkpointing=checkpointing, precision=precision,
-                    micro_batch=micro_batch, sequence_length=sequence_length)
-    data = json.loads(cache.read_text()) if cache.exists() else {}
-    if key in data:
-        entry = data[key]
-        return TraceResult(**entry["result"]) if entry["ok"] else TraceFailure(**entry["result"])
-    result = trace(model_spec=model_spec, entry_point=entry_point, checkpointing=checkpointing, precision=precision,
-                   micro_batch=micro_batch, sequence_length=sequence_length)
+def cached_trace(*, cache: Path | None, model_spec: dict[str, Any], checkpointing: str, precision: Precision,
+                 micro_batch: int, sequence_length: int) -> TraceResult | TraceFailure:
+    """:func:`trace`, cached in the JSON file ``cache`` (failures too, with their reason); None: no cache."""
+    kwargs = {"model_spec": model_spec, "checkpointing": checkpointing, "precision": precision,
+              "micro_batch": micro_batch, "sequence_length": sequence_length}
+    if cache is None:
+        return trace(**kwargs)
+    key = trace_key(**kwargs)
+    try:
+        data = json.loads(cache.read_text()) if cache.exists() else {}
+        entry = data.get(key)
+        if entry is not None:
+            return TraceResult(**entry["result"]) if entry["ok"] else TraceFailure(**entry["result"])
+    except (ValueError, TypeError, KeyError, AttributeError):  # an unreadable or older cache: trace again
+        data = {}
+    result = trace(**kwargs)
     data[key] = {"ok": isinstance(result, TraceResult), "result": asdict(result)}
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
+    tmp = cache.with_name(f"{cache.name}.tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     tmp.replace(cache)
     return result
 
 
+def traced_activation(*, cache: Path | None, model_spec: dict[str, Any], checkpointing: str,
+                      precision: Precision, sequence_length: int, micro_batches: tuple[int, ...]) -> TracedActivation:
+    """The ledger's entry: a trace at each of ``micro_batches`` (:class:`optimizer.specs.TracedActivation`)."""
+    points, phase = [], "backward"
+    for micro_batch in sorted(set(micro_batches)):
+        result = cached_trace(cache=cache, model_spec=model_spec, checkpointing=checkpointing, precision=precision,
+                              micro_batch=micro_batch, sequence_length=sequence_length)
+        if isinstance(result, TraceFailure):
+            return TracedActivation(checkpointing=checkpointing, precision=precision, failed_op=result.op)
+        points.append((micro_batch, result.activation_peak_bytes))
+        phase = result.peak_phase
+    return TracedActivation(checkpointing=checkpointing, precision=precision, points=tuple(points), peak_phase=phase)
+
+
+def traceable_options(study: Any) -> list[tuple[str, Precision]]:
+    """(checkpointing, precision) pairs a trial could run: the study's space and its FP32 baseline."""
+    model = study.model
+    values = dict(study.search_space.values)
+    options = []
+    for ckpt in dict.fromkeys(["none", *(str(c) for c in values.get("checkpointing", ()))]):
+        checkpointing = parse_checkpointing(ckpt)
+        if model.hf_config is not None and isinstance(checkpointing, SelectiveCheckpointing):
+            continue
+        if getattr(checkpointing, "k", 1) > model.layers:
+            continue
+        for precision in dict.fromkeys([Precision.FP32, *(Precision(str(p)) for p in values.get("precision", ()))]):
+            if precision in study.hardware.supported_precisions:
+                options.append((str(checkpointing), precision))
+    return options
+
+
+def traced_micro_batches(study: Any) -> tuple[int, ...]:
+    """The micro-batches a trial could use: the space's and the study's baseline."""
+    values = dict(study.search_space.values)
+    return tuple(sorted({study.training.micro_batch_size, *(int(b) for b in values.get("micro_batch_size", ()))}))
+
+
+def with_traced_activations(study: Any, *, warn: Any = None) -> Any:
+    """The study with its model's ``traced_activations`` filled when it asks for ``activations: trace``
+    (cached in ``studies/NAME/traces.json``); each failed trace is reported through ``warn`` (default: one
+    line on stderr) naming the op, and the ledger uses the formula there. Other studies come back as they are.
+    """
+    from launchers.trial import model_dict
+
+    model = study.model
+    if not isinstance(model, TransformerModel) or model.activations is not ActivationSource.TRACE \
+            or model.traced_activations:
+        return study
+    say = warn or (lambda line: print(line, file=sys.stderr))
+    spec = model_dict(model)
+    cache = study.output_dir / "traces.json"
+    table = []
+    for checkpointing, precision in traceable_options(study):
+        entry = traced_activation(cache=cache, model_spec=spec, checkpointing=checkpointing, precision=precision,
+                                  sequence_length=study.training.sequence_length,
+                                  micro_batches=traced_micro_batches(study))
+        if entry.failed_op is not None:
+            say(f"warning: {study.path}: model.activations: trace failed for checkpointing={checkpointing} "
+                f"precision={precision} at {entry.failed_op}; the ledger uses the formula there "
+                "(`dsopt trace` shows the error)")
+        table.append(entry)
+    return dataclasses.replace(study, model=dataclasses.replace(model, traced_activations=tuple(table)))
+
+
 def trace_rows(*, study: Any, cache: Path | None = None) -> list[dict[str, Any]]:
     """One row per (checkpointing, precision) of the study's space at its baseline micro-batch: the trace
-    beside the analytic formula (or the failure, with the formula as the figure used)."""
+    beside the formula, split into what the blocks keep and what is kept outside them (embeddings, final
+    norm, logits, loss)."""
     from launchers.trial import model_dict
-    from optimizer.knobs import parse_checkpointing
-    from optimizer.transformer import activation_estimate, parameter_count
+    from optimizer.transformer import activation_estimate, head_terms, parameter_count
 
-    values = dict(study.search_space.values)
     model = study.model
     spec = model_dict(model)
+    mbs, seq = study.training.micro_batch_size, study.training.sequence_length
     rows = []
-    for ckpt in values.get("checkpointing", ("none",)):
-        for precision in values.get("precision", (Precision.FP32,)):
-            precision = Precision(str(precision))
-            if precision not in study.hardware.supported_precisions:
-                continue
-            mbs, seq = study.training.micro_batch_size, study.training.sequence_length
-            formula = activation_estimate(model, checkpointing=parse_checkpointing(str(ckpt)), seq=seq,
-                                          micro_batch=mbs, element_bytes=4 if precision is Precision.FP32 else 2)
-            kwargs = {"model_spec": spec, "entry_point": model.entry_point, "checkpointing": str(ckpt),
-                      "precision": precision, "micro_batch": mbs, "sequence_length": seq}
-            result = cached_trace(cache=cache, **kwargs) if cache is not None else trace(**kwargs)
-            row = {"checkpointing": str(ckpt), "precision": str(precision), "micro_batch": mbs,
-                   "formula_bytes": formula.stored_bytes + formula.recompute_bytes,
-                   "formula_parameters": parameter_count(model)}
-            row.update({"source": "trace", **asdict(result)} if isinstance(result, TraceResult)
-                       else {"source": "formula (trace failed)", "failure": asdict(result)})
-            rows.append(row)
+    for checkpointing, precision in traceable_options(study):
+        size = 4 if precision is Precision.FP32 else 2
+        formula = activation_estimate(model, checkpointing=parse_checkpointing(checkpointing), seq=seq,
+                                      micro_batch=mbs, element_bytes=size)
+        head = sum(t.bytes for t in head_terms(model, seq=seq, micro_batch=mbs, element_bytes=size))
+        row: dict[str, Any] = {
+            "checkpointing": checkpointing, "precision": str(precision), "micro_batch": mbs,
+            "formula_bytes": formula.total_bytes, "formula_blocks_stored_bytes": formula.stored_bytes - head,
+            "formula_outside_blocks_bytes": head, "formula_parameters": parameter_count(model)}
+        result = cached_trace(cache=cache, model_spec=spec, checkpointing=checkpointing, precision=precision,
+                              micro_batch=mbs, sequence_length=seq)
+        if isinstance(result, TraceFailure):
+            row.update(source="formula (trace failed)", failure=asdict(result))
+        else:
+            row.update(source="trace", **asdict(result),
+                       outside_blocks_bytes=result.stored_bytes - result.blocks_stored_bytes)
+        rows.append(row)
     return rows

@@ -58,10 +58,16 @@ def candidate_slug(candidate: Candidate) -> str:
     return "-".join(parts)
 
 
+NOT_THE_MODEL = ("activations", "traced_activations")
+"""Spec fields that say how the ledger estimates, not what the ranks build."""
+
+
 def model_dict(model: TransformerModel) -> dict[str, Any]:
-    """The model spec as the JSON the ranks (and the tracer) build the model from."""
-    return {f.name: (str(v) if hasattr(v, "value") else v)
-            for f in dataclasses.fields(model) for v in [getattr(model, f.name)]}
+    """The model spec as the JSON the ranks (and the tracer) build the model from; ``hf_config`` as a dict."""
+    out = {f.name: (str(v) if hasattr(v, "value") else v)
+           for f in dataclasses.fields(model) if f.name not in NOT_THE_MODEL for v in [getattr(model, f.name)]}
+    out["hf_config"] = json.loads(model.hf_config) if model.hf_config is not None else None
+    return out
 
 
 def trial_dir_for(study: StudySpec, candidate: Candidate) -> Path:

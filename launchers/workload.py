@@ -16,6 +16,9 @@ whatever its micro-batch or rank count.
 Rotary position embeddings carry no parameters and are not applied here (a ``rope`` model attends without
 positional signal): the workload measures memory, speed and numerical agreement, not model quality.
 
+A Hugging Face ``transformers`` config (``model.hf_config``) builds that library's model instead of the
+built-in GPT (:mod:`launchers.hf_model`), on the same synthetic data.
+
 A user's own model plugs in with ``model.entry_point: "module:function"`` in the study file. The function
 is called as ``function(model_spec: dict, sequence_length: int, seed: int, checkpointing: str)`` and
 returns
@@ -203,12 +206,21 @@ def load_entry_point(entry_point: str) -> Callable[..., tuple[nn.Module, BatchFn
     return getattr(importlib.import_module(module_name), function_name)
 
 
+def build_model(model_spec: dict[str, Any], *, checkpointing: str) -> nn.Module:
+    """The built-in GPT, or the ``transformers`` model of ``model_spec["hf_config"]`` (:mod:`launchers.hf_model`)."""
+    if model_spec.get("hf_config"):
+        from launchers.hf_model import build_hf_model
+
+        return build_hf_model(model_spec["hf_config"], attention=model_spec["attention"], checkpointing=checkpointing)
+    return GPT(model_spec, checkpointing=checkpointing)
+
+
 def build_workload(*, model_spec: dict[str, Any], checkpointing: str, sequence_length: int, seed: int,
                    entry_point: str | None) -> tuple[nn.Module, BatchFn]:
     """The model and its batch function: the built-in GPT, or the study's entry point."""
     torch.manual_seed(seed)
     if entry_point:
         return load_entry_point(entry_point)(model_spec, sequence_length, seed, checkpointing)
-    model = GPT(model_spec, checkpointing=checkpointing)
+    model = build_model(model_spec, checkpointing=checkpointing)
     data = SyntheticTokens(vocab_size=model_spec["vocab_size"], sequence_length=sequence_length, seed=seed)
     return model, data

@@ -18,7 +18,7 @@ from optimizer.errors import EXIT_USER_ERROR, UserError
 from optimizer.knobs import KNOB_NAMES, Candidate, parse_knob
 from optimizer.ledger import evaluate
 from optimizer.ledger_report import all_json, all_table, ledger_json, ledger_table, throughput_lines
-from optimizer.specs import SeedModel, baseline_candidate
+from optimizer.specs import ActivationSource, SeedModel, TransformerModel, baseline_candidate
 from optimizer.storage import load_stored_study, redact
 from optimizer.study_file import StudySpec, load_study
 from optimizer.throughput import StepTime, predict_candidate
@@ -49,8 +49,19 @@ def _psi(study: StudySpec) -> int:
     return study.model.parameters if isinstance(study.model, SeedModel) else parameter_count(study.model)
 
 
+def _study(path: str) -> StudySpec:
+    """The study file, with its model traced when it says ``activations: trace`` (cached; a failed trace warns
+    on stderr and leaves the formula in place)."""
+    study = load_study(path)
+    if isinstance(study.model, TransformerModel) and study.model.activations is ActivationSource.TRACE:
+        from launchers.trace import with_traced_activations
+
+        study = with_traced_activations(study)
+    return study
+
+
 def _ledger(args: argparse.Namespace) -> int:
-    study = load_study(args.study)
+    study = _study(args.study)
     base = baseline_candidate(study.training)
     if args.calibrated:
         return _ledger_calibrated(study, args)
@@ -124,7 +135,7 @@ def _trial(args: argparse.Namespace) -> int:
         trial_dir_for,
     )
 
-    study = load_study(args.study)
+    study = _study(args.study)
     candidate = _parse_sets(args.set, base=baseline_candidate(study.training))
     spec = {"model": study.model, "hardware": study.hardware, "training": study.training}
     verdict = evaluate(candidate=candidate, **spec)
@@ -155,7 +166,7 @@ def _runnable_study(path: str) -> StudySpec:
     """The study file, refused (exit 2) if it cannot run trials here."""
     from launchers.trial import check_devices
 
-    study = load_study(path)
+    study = _study(path)
     if isinstance(study.model, SeedModel):
         raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to run; "
                         "studies need model.kind: transformer")
@@ -302,21 +313,26 @@ def _trace(args: argparse.Namespace) -> int:
         print(json.dumps({"study": study.name, "rows": rows}, indent=2))
         return 0
     print(f"study {study.name}: one micro-batch ({study.training.micro_batch_size} x "
-          f"{study.training.sequence_length} tokens) on fake tensors; MB = 10^6 bytes; formula = Korthikanti "
-          "stored + recompute peak")
-    print("| checkpointing | precision | traced activations MB | formula MB | difference | temporaries MB | "
-          "peak phase | parameters traced / ledger |")
+          f"{study.training.sequence_length} tokens) forward + backward on fake tensors; MB = 10^6 bytes")
+    print("peak: high-water mark of activations + temporaries (traced) vs Korthikanti's stored + one recomputed "
+          "block (formula); kept: live when forward ends, in the blocks / outside them (embeddings, head, loss)")
+    print("| checkpointing | precision | peak traced MB (phase) | formula MB | difference | "
+          "kept in blocks traced / formula MB | kept outside traced / formula MB | parameters traced / ledger |")
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         if row["source"] != "trace":
             failure = row["failure"]
-            print(f"| {row['checkpointing']} | {row['precision']} | - | {row['formula_bytes'] / 1e6:.3f} | - | - | - | "
-                  f"warning: trace failed at {failure['op']} ({failure['message'][:80]}); the formula is used |")
+            print(f"| {row['checkpointing']} | {row['precision']} | - | {row['formula_bytes'] / 1e6:.3f} | - | "
+                  f"- | - | warning: trace failed at {failure['op']} ({failure['message'][:80]}); "
+                  "the formula is used |")
             continue
-        diff = (row["activation_bytes"] - row["formula_bytes"]) / row["formula_bytes"] if row["formula_bytes"] else 0
-        print(f"| {row['checkpointing']} | {row['precision']} | {row['activation_bytes'] / 1e6:.3f} | "
-              f"{row['formula_bytes'] / 1e6:.3f} | {diff:+.1%} | {row['temporary_bytes'] / 1e6:.3f} | "
-              f"{row['peak_phase']} | {row['parameters']:,} / {row['formula_parameters']:,} |")
+        diff = (row["activation_peak_bytes"] - row["formula_bytes"]) / row["formula_bytes"]
+        print(f"| {row['checkpointing']} | {row['precision']} | {row['activation_peak_bytes'] / 1e6:.3f} "
+              f"({row['peak_phase']}) | {row['formula_bytes'] / 1e6:.3f} | {diff:+.1%} | "
+              f"{row['blocks_stored_bytes'] / 1e6:.3f} / "
+              f"{row['formula_blocks_stored_bytes'] / 1e6:.3f} | {row['outside_blocks_bytes'] / 1e6:.3f} / "
+              f"{row['formula_outside_blocks_bytes'] / 1e6:.3f} | {row['parameters']:,} / "
+              f"{row['formula_parameters']:,} |")
     return 0
 
 
@@ -325,7 +341,7 @@ def _demo(args: argparse.Namespace) -> int:
     from launchers.trial import ReferenceFailed
     from optimizer.pareto import front_table
 
-    study = load_study(args.study or DEMO_STUDY)
+    study = _study(args.study or DEMO_STUDY)
     print(f"dsopt demo: {study.path}, {study.hardware.gpus_per_node} {study.hardware.accelerator} ranks, until "
           f"{args.n_trials} trials have finished", file=sys.stderr)
     try:

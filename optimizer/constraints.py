@@ -19,7 +19,7 @@ Nothing here fixes a candidate: it returns reasons, and the caller reports them.
 
 from __future__ import annotations
 
-from optimizer.knobs import Candidate, EveryKCheckpointing, OffloadDevice, ZeroStage
+from optimizer.knobs import Candidate, EveryKCheckpointing, OffloadDevice, SelectiveCheckpointing, ZeroStage
 from optimizer.specs import HardwareSpec, ModelSpec, SeedModel, TrainingSpec, TransformerModel
 
 
@@ -53,6 +53,9 @@ def invalid_reasons(
     ckpt = candidate.checkpointing
     if isinstance(model, TransformerModel) and isinstance(ckpt, EveryKCheckpointing) and ckpt.k > model.layers:
         reasons.append(f"checkpointing={ckpt} checkpoints no block of a {model.layers}-layer model")
+    if isinstance(model, TransformerModel) and model.hf_config is not None and isinstance(ckpt, SelectiveCheckpointing):
+        reasons.append("checkpointing=selective: a transformers model recomputes whole layers only "
+                       "(activation_checkpointing_enable); use full or every_K")
     if isinstance(model, SeedModel) and model.activation_bytes_for(ckpt) is None:
         stated = ", ".join(sorted(model.activation_bytes))
         reasons.append(f"the study states no activation figure for checkpointing={ckpt} (stated: {stated})")

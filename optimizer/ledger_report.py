@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from optimizer.activation_ledger import activation_source
 from optimizer.ledger import Ledger, Verdict
 from optimizer.ledger_items import Category, LedgerItem, Location, Phase
 from optimizer.throughput import StepTime
@@ -42,6 +43,7 @@ def ledger_json(ledger: Ledger) -> dict[str, object]:
         "per_host": per_host,
         "nvme": nvme,
         "peak_phase": ledger.peak_phase.value,
+        "activation_source": activation_source(ledger.items),
         "phase_totals": ledger.phase_totals(),
         "fits": ledger.fits,
         "fits_gpu": ledger.fits_gpu,
@@ -117,6 +119,7 @@ def ledger_table(ledger: Ledger, *, study: str, psi: int) -> str:
     summary.append(("needed", "", ledger.gpu_needed_bytes))
     table = _rows([(i.name, i.formula, i.bytes) for i in peak] + summary)
     lines += [*table[:len(peak)], "  " + "-" * (len(table[0]) - 2), *table[len(peak):]]
+    lines.append(f"  activations from: {activation_source(ledger.items)}")
     cap = ledger.gpu_capacity_bytes
     lines.append(f"  capacity {cap / GB:.2f} GB ({cap / GiB:.2f} GiB): {_fit_word(ledger.fits_gpu)}")
     other = _other_phases(ledger, Location.GPU)
@@ -143,6 +146,11 @@ def ledger_table(ledger: Ledger, *, study: str, psi: int) -> str:
     return "\n".join(lines)
 
 
+def _short_source(ledger: Ledger) -> str:
+    source = activation_source(ledger.items)
+    return "formula*" if "trace failed" in source or "no trace" in source else source
+
+
 def _sort_key(verdict: Verdict) -> tuple[int, int, str]:
     if verdict.ledger is None:
         return (2, 0, verdict.candidate.label())
@@ -167,10 +175,10 @@ def all_table(verdicts: Sequence[Verdict], *, study: str, speeds: Mapping[str, S
     lines = [f"study {study} · {len(verdicts)} candidates · {unit} = {scale:.0e} bytes (per GPU: needed = reserved "
              "peak + device reserve)".replace("1e+09", "10^9").replace("1e+06", "10^6"), "",
              f"  {'verdict':<13} {'GPU needed ' + unit:>13} {'host ' + unit:>9} {'nvme ' + unit:>9} "
-             f"{'tokens/s':>10}  candidate"]
+             f"{'tokens/s':>10}  {'activations':<11}  candidate"]
     for v in ordered:
         if v.ledger is None:
-            lines.append(f"  {'invalid':<13} {'-':>13} {'-':>9} {'-':>9} {'-':>10}  {v.candidate.label()}: "
+            lines.append(f"  {'invalid':<13} {'-':>13} {'-':>9} {'-':>9} {'-':>10}  {'-':<11}  {v.candidate.label()}: "
                          + "; ".join(v.invalid_reasons))
             continue
         led = v.ledger
@@ -178,12 +186,14 @@ def all_table(verdicts: Sequence[Verdict], *, study: str, speeds: Mapping[str, S
         speed = speeds.get(v.candidate.label())
         speed_text = f"{speed.tokens_per_s:>10,.0f}" if isinstance(speed, StepTime) else f"{'unknown':>10}"
         lines.append(f"  {word:<13} {led.gpu_needed_bytes / scale:>13.2f} {led.host_bytes / scale:>9.2f} "
-                     f"{led.nvme_bytes / scale:>9.2f} {speed_text}  {v.candidate.label()}")
+                     f"{led.nvme_bytes / scale:>9.2f} {speed_text}  {_short_source(led):<11}  {v.candidate.label()}")
     c = counts(verdicts)
     sources = {step.source for step in speeds.values() if isinstance(step, StepTime)}
     if speeds:
         lines += ["", "tokens/s: the throughput model (" + (", ".join(sorted(sources)) or "no figures") + "); "
                   "'unknown' where a figure it needs is missing"]
+    if any("*" in _short_source(v.ledger) for v in ordered if v.ledger is not None):
+        lines += ["", "formula*: the study asked for traced activations but the trace failed; `dsopt trace` says why"]
     lines += ["", f"{c['valid']} valid ({c['fits']} fit, {c['does_not_fit']} do not fit), {c['invalid']} invalid, "
               f"{c['total']} in all"]
     return "\n".join(lines)

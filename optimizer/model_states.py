@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from optimizer.activation_ledger import activation_items
 from optimizer.constraints import gradient_accumulation_steps
 from optimizer.knobs import Candidate, OffloadDevice, Precision, ZeroStage
 from optimizer.ledger_items import Category, LedgerItem, Location, Phase
 from optimizer.specs import HardwareSpec, TrainingSpec, TransformerModel
 from optimizer.transformer import (
-    activation_estimate,
     largest_layer_parameters,
     largest_tensor_parameters,
     parameter_count,
@@ -287,16 +287,11 @@ def transformer_items(
     else:
         items = _stage12(z, candidate, settings)
 
-    act = activation_estimate(model, checkpointing=candidate.checkpointing, seq=training.sequence_length,
-                              micro_batch=candidate.micro_batch_size, element_bytes=z.g)
-    korthikanti = "Korthikanti et al. 2022 §4 (arXiv 2205.05198)"
-    items.append(_item(f"activations kept for backward ({candidate.checkpointing})", Category.ACTIVATIONS,
-                       Location.GPU, act.stored_bytes, act.formula.split(", +")[0], korthikanti, Phase.BACKWARD))
-    if act.recompute_bytes:
-        items.append(_item("recomputed block in backward", Category.ACTIVATIONS, Location.GPU, act.recompute_bytes,
-                           act.formula.split(", + ")[1], korthikanti, Phase.BACKWARD))
+    items += activation_items(model=model, candidate=candidate, sequence_length=training.sequence_length,
+                              element_bytes=z.g)
     host_model = FP32 * z.psi + (z.g * z.psi if candidate.precision is not Precision.FP32 else 0)
     items.append(_item("model built on the host in fp32 (+ its cast copy)", Category.PARAMS, Location.HOST,
                        host_model, "4Ψ" + (f" + {z.g}Ψ" if candidate.precision is not Precision.FP32 else ""),
                        f"{DS} engine.py:2080-2094 (cast on host, then .to(device))", Phase.INIT))
     return items
+

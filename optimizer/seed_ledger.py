@@ -86,7 +86,8 @@ def seed_items(
         formula += f" × {lp}/{model.activation_precision.bytes_per_element} (element bytes)"
     items.append(LedgerItem(
         name=f"activations ({candidate.checkpointing})", category=Category.ACTIVATIONS, location=Location.GPU,
-        bytes=scaled, formula=formula, source=f"{SEED}; linear in b (Korthikanti et al. 2022 §4.1)",
+        bytes=scaled, formula=formula,
+        source=f"study: the stated figure ({SEED}); linear in b (Korthikanti et al. 2022 §4.1)",
         phase=Phase.BACKWARD))
     items.append(LedgerItem(
         name="working buffers (stated)", category=Category.BUFFERS, location=Location.GPU,

@@ -77,6 +77,58 @@ class PositionKind(StrEnum):
     ROPE = "rope"
 
 
+class ActivationSource(StrEnum):
+    """Where a transformer-mode ledger takes its activation bytes from."""
+
+    FORMULA = "formula"
+    """Korthikanti et al. 2022, generalised term by term (:mod:`optimizer.transformer`)."""
+    TRACE = "trace"
+    """The study's own model run on fake tensors (:mod:`launchers.trace`), the formula where a trace failed."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TracedActivation:
+    """Activation bytes of one (checkpointing, precision) as traced, at each micro-batch of the search space.
+
+    Traced at every micro-batch the space holds, so the ledger's figure is the trace's, not a fit: the
+    high-water mark is a maximum over moments of the step, each linear in b (Korthikanti et al. 2022 §4), so
+    it is piecewise linear and a two-point fit under-estimates where the peak moves (measured: −4 % for
+    gpt2-tiny, full checkpointing, b = 4 from b = 1, 2). Between or beyond traced micro-batches the two
+    nearest points are joined linearly.
+    """
+
+    checkpointing: str
+    """The granularity, as the search space spells it (``none``, ``full``, ``every_2``, ``selective``)."""
+    precision: Precision
+    """The training precision the model was traced in."""
+    points: tuple[tuple[int, int], ...] = ()
+    """(micro-batch, activation high-water mark in bytes), sorted by micro-batch."""
+    peak_phase: str = "backward"
+    """``forward`` or ``backward``: where the high-water mark was (at the largest micro-batch)."""
+    failed_op: str | None = None
+    """Set when the trace failed: the op (or error) that stopped it; the ledger then uses the formula."""
+
+    def __post_init__(self) -> None:
+        _coerce_enums(self, precision=Precision)
+        object.__setattr__(self, "points", tuple(sorted((int(b), int(n)) for b, n in self.points)))
+        if self.failed_op is None and not self.points:
+            raise ValueError("a traced activation needs at least one (micro-batch, bytes) point")
+
+    def bytes_at(self, micro_batch: int) -> int:
+        """Activation high-water mark at ``micro_batch`` samples: traced, or joined from the nearest two."""
+        exact = dict(self.points)
+        if micro_batch in exact:
+            return exact[micro_batch]
+        if len(self.points) == 1:
+            b, n = self.points[0]
+            return -(-n * micro_batch // b)
+        below = [p for p in self.points if p[0] < micro_batch]
+        above = [p for p in self.points if p[0] > micro_batch]
+        (b0, n0), (b1, n1) = (below[-1], above[0]) if below and above else \
+            (self.points[-2], self.points[-1]) if below else (self.points[0], self.points[1])
+        return max(0, round(n0 + (n1 - n0) * (micro_batch - b0) / (b1 - b0)))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SeedModel:
     """A model given by explicit numbers, as in the seed document (``../shared/seeds/``).
@@ -143,9 +195,17 @@ class TransformerModel:
     entry_point: str | None = None
     """``module:function`` building the user's own model for trials (see launchers/workload.py); the ledger
     still uses the shape above."""
+    hf_config: str | None = None
+    """A Hugging Face ``transformers`` config as canonical JSON (:mod:`optimizer.hf_config`): trials and traces
+    build that class; the shape above was read from it."""
+    activations: ActivationSource = ActivationSource.FORMULA
+    """Where the ledger's activation bytes come from."""
+    traced_activations: tuple[TracedActivation, ...] = ()
+    """Filled by :func:`launchers.trace.with_traced_activations` when ``activations`` is ``trace``."""
 
     def __post_init__(self) -> None:
-        _coerce_enums(self, attention=AttentionKind, mlp=MlpKind, norm=NormKind, position_embedding=PositionKind)
+        _coerce_enums(self, attention=AttentionKind, mlp=MlpKind, norm=NormKind, position_embedding=PositionKind,
+                      activations=ActivationSource)
         for name in ("layers", "hidden_size", "heads", "kv_heads", "ffn_size", "vocab_size", "max_positions"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -154,11 +214,18 @@ class TransformerModel:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by heads ({self.heads})")
         if self.kv_heads > self.heads or self.heads % self.kv_heads:
             raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
+        if self.entry_point is not None and self.hf_config is not None:
+            raise ValueError("give either entry_point or hf_config, not both: each says how trials build the model")
 
     @property
     def head_dim(self) -> int:
         """Width of one attention head, h / a."""
         return self.hidden_size // self.heads
+
+    def traced_for(self, checkpointing: Checkpointing, precision: Precision) -> TracedActivation | None:
+        """The traced entry for this granularity and precision (failed ones included), or None."""
+        return next((t for t in self.traced_activations
+                     if t.checkpointing == str(checkpointing) and t.precision is precision), None)
 
 
 ModelSpec = SeedModel | TransformerModel

@@ -21,6 +21,7 @@ with ``yaml.safe_load``. This module is the only place the study's YAML is touch
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -33,10 +34,12 @@ import yaml
 from optimizer.cluster_settings import BudgetSettings, SlurmSettings, WorkerSettings
 from optimizer.errors import UserError
 from optimizer.hardware_profiles import profile_named
+from optimizer.hf_config import HfConfigError, canonical_json, shape_from_hf_config
 from optimizer.knobs import Precision, parse_checkpointing
 from optimizer.search_space import SearchSpace, parse_search_space
 from optimizer.specs import (
     Accelerator,
+    ActivationSource,
     AttentionKind,
     HardwareSpec,
     MlpKind,
@@ -205,7 +208,7 @@ def _activation_table(value: Any) -> dict[str, int]:
     return table
 
 
-def _parse_model(section: _Section, *, sequence_length: int) -> ModelSpec:
+def _parse_model(section: _Section, *, sequence_length: int, study_dir: Path) -> ModelSpec:
     kind = section.get("kind", _enum_str(("seed", "transformer")))
     try:
         if kind == "seed":
@@ -214,6 +217,12 @@ def _parse_model(section: _Section, *, sequence_length: int) -> ModelSpec:
                 activation_bytes=section.get("activation_bytes", _activation_table),
                 activation_precision=section.get("activation_precision", _enum(Precision), Precision.FP32),
                 buffer_bytes=section.get("buffer_bytes", parse_bytes, 0),
+            )
+        elif "hf_config" in section.raw:
+            model = TransformerModel(
+                **_hf_shape(section, study_dir=study_dir),
+                attention=section.get("attention", _enum(AttentionKind), AttentionKind.EAGER),
+                activations=section.get("activations", _enum(ActivationSource), ActivationSource.FORMULA),
             )
         else:
             heads = section.get("heads", _positive_int)
@@ -234,11 +243,46 @@ def _parse_model(section: _Section, *, sequence_length: int) -> ModelSpec:
                 dropout=section.get("dropout", _bool, True),
                 max_positions=section.get("max_positions", _positive_int, sequence_length),
                 entry_point=section.get("entry_point", _entry_point, None),
+                activations=section.get("activations", _enum(ActivationSource), ActivationSource.FORMULA),
             )
     except ValueError as err:
         raise _spec_error(section, err) from None
     section.finish()
     return model
+
+
+SHAPE_KEYS = ("layers", "hidden_size", "heads", "kv_heads", "ffn_size", "vocab_size", "tied_embeddings", "mlp",
+              "norm", "bias", "position_embedding", "dropout", "max_positions", "entry_point")
+"""Model keys an ``hf_config`` already answers (or, for entry_point, contradicts)."""
+
+
+def _hf_shape(section: _Section, *, study_dir: Path) -> dict[str, Any]:
+    """The shape fields and canonical JSON of ``model.hf_config``: an inline mapping or a config.json path
+    (relative to the study file). Errors name the config file (or the study's key) and the config's key."""
+    clash = next((key for key in SHAPE_KEYS if key in section.raw), None)
+    if clash is not None:
+        raise section.error(clash, "comes from hf_config; give one or the other")
+    value = section.get("hf_config", lambda v: v)
+    if isinstance(value, Mapping):
+        config, source, prefix = dict(value), section.source, section.full_key("hf_config") + "."
+    elif isinstance(value, str):
+        path = Path(value) if Path(value).is_absolute() else study_dir / value
+        if not path.is_file():
+            raise section.error("hf_config", f"no such file: {path}")
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise UserError(source=str(path), key="", why=f"not a JSON config: {err}") from None
+        if not isinstance(config, dict):
+            raise UserError(source=str(path), key="", why="expected a JSON object (a transformers config.json)")
+        source, prefix = str(path), ""
+    else:
+        raise section.error("hf_config", "expected a mapping (the config's keys) or a path to a config.json")
+    try:
+        shape = shape_from_hf_config(config)
+    except HfConfigError as err:
+        raise UserError(source=source, key=prefix + err.key, why=str(err).split(": ", 1)[1]) from None
+    return {**shape, "hf_config": canonical_json(config)}
 
 
 def _enum_str(allowed: tuple[str, ...]) -> Callable[[Any], str]:
@@ -438,6 +482,7 @@ def load_study(path: str | Path) -> StudySpec:
     model = _parse_model(
         _Section(top.get("model", lambda v: v), source=source, key="model"),
         sequence_length=training.sequence_length,
+        study_dir=study_path.parent,
     )
     hardware = _parse_hardware(_Section(top.get("hardware", lambda v: v), source=source, key="hardware"))
     space = _parse_space_ref(top.get("search_space", lambda v: v), study_path=study_path)

@@ -1,0 +1,110 @@
+"""Hugging Face configs as models (optimizer/hf_config.py, study_file): the shape they give, and every bad one
+refused naming the file and the key, exit 2."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from optimizer.cli import main
+from optimizer.errors import UserError
+from optimizer.knobs import with_knobs
+from optimizer.ledger import evaluate
+from optimizer.specs import ActivationSource, MlpKind, NormKind, PositionKind, TransformerModel, baseline_candidate
+from optimizer.study_file import load_study
+from optimizer.transformer import parameter_count
+
+# The shape of Llama-2-7B's config.json (meta-llama/Llama-2-7b-hf), written out: nothing is downloaded.
+LLAMA_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+            "max_position_embeddings": 4096, "tie_word_embeddings": False, "attention_bias": False}
+
+STUDY = """
+name: hf
+model:
+  kind: transformer
+  hf_config: {config}
+hardware:
+  accelerator: cpu
+  gpus_per_node: 2
+  gpu_memory: 8 GiB
+training:
+  global_batch_size: 8
+  micro_batch_size: 2
+  sequence_length: 32
+search_space:
+  knobs:
+    checkpointing: [none, full, selective]
+"""
+
+
+def _study(tmp_path, config, *, inline=False, extra=""):
+    if inline:
+        reference = json.dumps(config)
+    else:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        reference = "config.json"
+    path = tmp_path / "study.yaml"
+    path.write_text(textwrap.dedent(STUDY).replace("{config}", reference).replace("model:\n", "model:\n" + extra))
+    return path
+
+
+def test_a_config_file_gives_the_llama_shape(tmp_path):
+    study = load_study(_study(tmp_path, LLAMA_7B))
+    model = study.model
+    assert isinstance(model, TransformerModel) and model.hf_config is not None
+    assert (model.layers, model.hidden_size, model.heads, model.kv_heads, model.ffn_size) == (32, 4096, 32, 32, 11008)
+    assert (model.mlp, model.norm, model.position_embedding, model.bias, model.dropout, model.tied_embeddings) == \
+        (MlpKind.SWIGLU, NormKind.RMSNORM, PositionKind.ROPE, False, False, False)
+    assert parameter_count(model) == 6_738_415_616  # Llama-2-7B's published count (Touvron et al. 2023)
+    assert model.activations is ActivationSource.FORMULA
+
+
+def test_an_inline_config_is_the_same_model(tmp_path):
+    assert load_study(_study(tmp_path, LLAMA_7B, inline=True)).model == load_study(_study(tmp_path, LLAMA_7B)).model
+
+
+def test_selective_checkpointing_is_invalid_for_a_transformers_model(tmp_path):
+    study = load_study(_study(tmp_path, LLAMA_7B))
+    candidate = with_knobs(baseline_candidate(study.training), {"checkpointing": "selective"})
+    verdict = evaluate(candidate=candidate, model=study.model, hardware=study.hardware, training=study.training)
+    assert verdict.ledger is None and "whole layers only" in verdict.invalid_reasons[0]
+
+
+@pytest.mark.parametrize(
+    ("change", "key", "why"),
+    [
+        ({"model_type": "gpt2"}, "model_type", "not supported"),
+        ({"hidden_size": None}, "hidden_size", "missing"),
+        ({"num_hidden_layers": "32"}, "num_hidden_layers", "positive integer"),
+        ({"head_dim": 256}, "head_dim", "differs"),
+        ({"mlp_bias": True}, "mlp_bias", "both"),
+    ],
+)
+def test_a_bad_config_names_its_file_and_key(tmp_path, change, key, why):
+    config = {k: v for k, v in {**LLAMA_7B, **change}.items() if v is not None}
+    with pytest.raises(UserError) as info:
+        load_study(_study(tmp_path, config))
+    assert info.value.source == str(tmp_path / "config.json") and info.value.key == key and why in info.value.why
+    with pytest.raises(UserError) as inline:
+        load_study(_study(tmp_path, config, inline=True))
+    assert inline.value.source == str(tmp_path / "study.yaml") and inline.value.key == f"model.hf_config.{key}"
+
+
+def test_shape_keys_beside_a_config_are_refused(tmp_path):
+    with pytest.raises(UserError) as info:
+        load_study(_study(tmp_path, LLAMA_7B, extra="  layers: 4\n"))
+    assert info.value.key == "model.layers" and "comes from hf_config" in info.value.why
+
+
+def test_a_missing_or_broken_config_file_exits_2(tmp_path, capsys):
+    path = _study(tmp_path, LLAMA_7B)
+    (tmp_path / "config.json").unlink()
+    assert main(["ledger", str(path)]) == 2
+    assert "model.hf_config: no such file" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{not json")
+    assert main(["ledger", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "config.json" in err and "not a JSON config" in err
