@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -247,7 +248,7 @@ def cached_trace(*, cache: Path | None, model_spec: dict[str, Any], checkpointin
     result = trace(**kwargs)
     data[key] = {"ok": isinstance(result, TraceResult), "result": asdict(result)}
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(f"{cache.name}.tmp")
+    tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")  # workers sharing the folder never share a tmp
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     tmp.replace(cache)
     return result
@@ -304,11 +305,22 @@ def with_traced_activations(study: Any, *, warn: Any = None) -> Any:
     say = warn or (lambda line: print(line, file=sys.stderr))
     spec = model_dict(model)
     cache = study.output_dir / "traces.json"
+    micro_batches = traced_micro_batches(study)
+    options = traceable_options(study)
+    try:
+        known = json.loads(cache.read_text()) if cache.exists() else {}
+    except ValueError:
+        known = {}
+    missing = sum(trace_key(model_spec=spec, checkpointing=c, precision=p, micro_batch=b,
+                            sequence_length=study.training.sequence_length) not in known
+                  for c, p in options for b in micro_batches)
+    if missing:
+        say(f"dsopt: tracing the model on fake tensors: {missing} (checkpointing, precision, micro-batch) "
+            f"combinations, seconds each; cached in {cache}")
     table = []
-    for checkpointing, precision in traceable_options(study):
+    for checkpointing, precision in options:
         entry = traced_activation(cache=cache, model_spec=spec, checkpointing=checkpointing, precision=precision,
-                                  sequence_length=study.training.sequence_length,
-                                  micro_batches=traced_micro_batches(study))
+                                  sequence_length=study.training.sequence_length, micro_batches=micro_batches)
         if entry.failed_op is not None:
             say(f"warning: {study.path}: model.activations: trace failed for checkpointing={checkpointing} "
                 f"precision={precision} at {entry.failed_op}; the ledger uses the formula there "

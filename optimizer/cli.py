@@ -333,6 +333,13 @@ def _trace(args: argparse.Namespace) -> int:
               f"{row['formula_blocks_stored_bytes'] / 1e6:.3f} | {row['outside_blocks_bytes'] / 1e6:.3f} / "
               f"{row['formula_outside_blocks_bytes'] / 1e6:.3f} | {row['parameters']:,} / "
               f"{row['formula_parameters']:,} |")
+    traced = [row for row in rows if row["source"] == "trace"]
+    if traced:
+        print("\nkept when forward ends, by the op that made each tensor (MB; aten.clone: contiguous copies, "
+              "aten.empty_like: CPU dropout masks in the input's dtype):")
+    for row in traced:
+        ops = ", ".join(f"{op} {size / 1e6:.3f}" for op, size in list(row["kept_by_op"].items())[:8])
+        print(f"  {row['checkpointing']} {row['precision']}: {ops}")
     return 0
 
 
