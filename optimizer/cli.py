@@ -223,7 +223,8 @@ def _worker(args: argparse.Namespace) -> int:
 def _slurm_submit(args: argparse.Namespace) -> int:
     from launchers.slurm import STORAGE_VAR, submit
 
-    study = load_study(args.study)
+    # traced here first when the study asks, so the array's workers find studies/NAME/traces.json warm
+    study = load_study(args.study) if args.dry_run else _study(args.study)
     if isinstance(study.model, SeedModel):
         raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to run; "
                         "studies need model.kind: transformer")

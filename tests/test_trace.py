@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from launchers.trace import (
-    ALLOCATION_GRANULE,
     TraceFailure,
     TraceResult,
     cached_trace,
@@ -74,22 +73,37 @@ def test_kept_activations_agree_with_the_formula_within_what_is_explained(study)
         assert masks == size * (study.model.layers * per_layer_masks + sbh)  # + the embedding dropout
 
 
-def test_full_checkpointing_keeps_exactly_the_block_inputs(study):
-    # Korthikanti §5: with every block recomputed, only each block's input p·sbh is kept.
-    for precision, size in ((Precision.FP32, 4), (Precision.BF16, 2)):
-        result = _trace(study.model, checkpointing="full", precision=precision, mbs=4, seq=128)
-        assert isinstance(result, TraceResult) and result.blocks == study.model.layers
-        boundary = size * 4 * 128 * study.model.hidden_size
-        assert abs(result.blocks_stored_bytes - study.model.layers * boundary) <= ALLOCATION_GRANULE
-        head = sum(t.bytes for t in head_terms(study.model, seq=128, micro_batch=4, element_bytes=size))
+@pytest.mark.parametrize("checkpointing", ["none", "every_2", "selective", "full"])
+@pytest.mark.parametrize(("precision", "size"), [(Precision.FP32, 4), (Precision.BF16, 2)])
+def test_the_blocks_keep_what_the_formula_says_once_cpu_dropout_masks_are_counted(study, checkpointing, precision,
+                                                                                   size):
+    # Measured on gpt2-tiny-cpu, 4 x 128 tokens: what the blocks keep is the formula's figure plus the CPU's
+    # wider dropout masks (size - 1 extra bytes per element: two residual masks, and the attention-probability
+    # mask where the attention core is kept), to within 0.6 %; the rest is LayerNorm's mean and rstd. The
+    # tolerance is 1 %. With full checkpointing the blocks keep exactly their inputs, L·p·sbh (Korthikanti §5).
+    b, seq = 4, 128
+    result = _trace(study.model, checkpointing=checkpointing, precision=precision, mbs=b, seq=seq)
+    assert isinstance(result, TraceResult) and result.blocks == study.model.layers
+    formula = activation_estimate(study.model, checkpointing=parse_checkpointing(checkpointing), seq=seq,
+                                  micro_batch=b, element_bytes=size)
+    head = sum(t.bytes for t in head_terms(study.model, seq=seq, micro_batch=b, element_bytes=size))
+    sbh, as2b = seq * b * study.model.hidden_size, study.model.heads * seq * seq * b
+    kept_layers = {"none": 2, "every_2": 1, "selective": 2, "full": 0}[checkpointing]
+    wider_masks = (size - 1) * kept_layers * (2 * sbh + (0 if checkpointing == "selective" else as2b))
+    expected = formula.stored_bytes - head + wider_masks
+    assert abs(result.blocks_stored_bytes - expected) <= 0.01 * expected
+    if checkpointing == "full":
+        assert result.blocks_stored_bytes == study.model.layers * size * sbh
         assert result.stored_bytes - result.blocks_stored_bytes >= head  # the head keeps at least the formula's
 
 
 def test_the_high_water_mark_is_in_backward_and_orders_the_granularities(study):
     results = {c: _trace(study.model, checkpointing=c) for c in ("none", "selective", "full")}
+    logits_gradients = 2 * 4 * 64 * 2 * study.model.vocab_size  # FP32 s×b×V: d log-softmax and d logits
     for result in results.values():
         assert isinstance(result, TraceResult) and result.peak_phase == "backward"
-        assert result.activation_peak_bytes > result.stored_bytes  # backward's gradients of activations
+        # on this vocabulary-heavy model the mark is the stored activations + the logits' two gradients
+        assert abs(result.activation_peak_bytes - result.stored_bytes - logits_gradients) <= 0.01 * logits_gradients
         assert result.total_peak_bytes >= result.activation_peak_bytes
     peaks = {c: r.activation_peak_bytes for c, r in results.items()}
     assert peaks["full"] < peaks["selective"] < peaks["none"]
