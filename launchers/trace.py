@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from torch import nn
 
 from optimizer.knobs import Precision, SelectiveCheckpointing, parse_checkpointing
 from optimizer.specs import ActivationSource, TracedActivation, TransformerModel
+from optimizer.study_file import StudySpec
 
 DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 TRACE_FORMAT = 3
@@ -268,7 +270,7 @@ def traced_activation(*, cache: Path | None, model_spec: dict[str, Any], checkpo
     return TracedActivation(checkpointing=checkpointing, precision=precision, points=tuple(points), peak_phase=phase)
 
 
-def traceable_options(study: Any) -> list[tuple[str, Precision]]:
+def traceable_options(study: StudySpec) -> list[tuple[str, Precision]]:
     """(checkpointing, precision) pairs a trial could run: the study's space and its FP32 baseline."""
     model = study.model
     values = dict(study.search_space.values)
@@ -285,13 +287,13 @@ def traceable_options(study: Any) -> list[tuple[str, Precision]]:
     return options
 
 
-def traced_micro_batches(study: Any) -> tuple[int, ...]:
+def traced_micro_batches(study: StudySpec) -> tuple[int, ...]:
     """The micro-batches a trial could use: the space's and the study's baseline."""
     values = dict(study.search_space.values)
     return tuple(sorted({study.training.micro_batch_size, *(int(b) for b in values.get("micro_batch_size", ()))}))
 
 
-def with_traced_activations(study: Any, *, warn: Any = None) -> Any:
+def with_traced_activations(study: StudySpec, *, warn: Callable[[str], None] | None = None) -> StudySpec:
     """The study with its model's ``traced_activations`` filled when it asks for ``activations: trace``
     (cached in ``studies/NAME/traces.json``); each failed trace is reported through ``warn`` (default: one
     line on stderr) naming the op, and the ledger uses the formula there. Other studies come back as they are.
@@ -329,7 +331,7 @@ def with_traced_activations(study: Any, *, warn: Any = None) -> Any:
     return dataclasses.replace(study, model=dataclasses.replace(model, traced_activations=tuple(table)))
 
 
-def trace_rows(*, study: Any, cache: Path | None = None) -> list[dict[str, Any]]:
+def trace_rows(*, study: StudySpec, cache: Path | None = None) -> list[dict[str, Any]]:
     """One row per (checkpointing, precision) of the study's space at its baseline micro-batch: the trace
     beside the formula, split into what the blocks keep and what is kept outside them (embeddings, final
     norm, logits, loss)."""

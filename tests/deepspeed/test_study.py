@@ -117,8 +117,11 @@ def test_sigint_then_resume_loses_and_repeats_nothing(tmp_path):
     path = small_study(tmp_path, zero_stage=[0, 1, 2, 3], precision=["fp32", "bf16"], micro_batch_size=[1, 2])
     spec = load_study(path)
     storage = default_storage(spec)
+    # SIGINT as a terminal delivers it: a suite started in the background (`cmd &` without job control) has
+    # SIGINT ignored, which children inherit, and Python then installs no KeyboardInterrupt handler
     proc = subprocess.Popen([sys.executable, "-m", "optimizer.cli", "study", "run", str(path), "--n-trials", "8"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 400
     completed_before: list[str] = []
     while time.monotonic() < deadline:
