@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launchers.workload import recomputed_blocks
+from launchers.workload import decoder_blocks, recomputed_blocks
 
 ATTENTION = {"eager": "eager", "fused": "sdpa"}
 
@@ -58,14 +58,10 @@ def build_hf_model(config: dict[str, Any], *, attention: str, checkpointing: str
             inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        for index, layer in enumerate(decoder_layers(inner)):
+        for index, layer in enumerate(decoder_blocks(inner) or ()):
             if not hasattr(layer, "gradient_checkpointing"):  # before GradientCheckpointingLayer (4.53)
                 raise RuntimeError(f"{type(layer).__name__} has no per-layer checkpointing flag; upgrade transformers")
             layer.gradient_checkpointing = index in recompute
     inner.train()
     return HfCausalLM(inner)
 
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder blocks: the first ``ModuleList`` of the model (``model.layers`` in Llama and Mistral)."""
-    return next(m for m in model.modules() if isinstance(m, nn.ModuleList))

@@ -35,8 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from optimizer.knobs import Precision, SelectiveCheckpointing, parse_checkpointing
-from optimizer.specs import ActivationSource, TracedActivation, TransformerModel
+from optimizer.constraints import invalid_reasons
+from optimizer.knobs import Precision, parse_checkpointing, with_knobs
+from optimizer.specs import ActivationSource, TracedActivation, TransformerModel, baseline_candidate
 from optimizer.study_file import StudySpec
 
 DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
@@ -156,10 +157,6 @@ def _kept_by_op_mode(existing: list[torch.Tensor]) -> Any:
     return KeptByOp()
 
 
-def _blocks(model: nn.Module) -> nn.ModuleList | None:
-    return next((m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)), None)
-
-
 def _block_growth(tracker: Any, block: nn.Module) -> int:
     """Activations a block's (first) forward left behind: post-forward minus pre-forward."""
     from torch.distributed._tools.mem_tracker import _ModState
@@ -185,7 +182,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
     :func:`launchers.trial.model_dict` of the study's model (its ``entry_point`` and ``hf_config`` included)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from launchers.workload import build_model, load_entry_point
+    from launchers.workload import build_model, decoder_blocks, load_entry_point
 
     previous = torch.get_default_dtype()
     try:
@@ -210,7 +207,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                 kept_by_op = by_op.kept()
                 loss.backward()
             total_peak = _kinds(tracker.get_tracker_snapshot("peak")).get("Total", 0)
-            blocks = _blocks(model)
+            blocks = decoder_blocks(model)
             blocks_stored = sum(_block_growth(tracker, block) for block in blocks) if blocks is not None else 0
     except Exception as err:  # every failure of a trace is data: the caller falls back to the formula
         return _failure(err)
@@ -232,37 +229,58 @@ def _failure(err: Exception) -> TraceFailure:
     return TraceFailure(op=name, message=first[:300])
 
 
+class TraceCache:
+    """``studies/NAME/traces.json``, read once; each new trace is written at once, so an interrupted study keeps
+    what it traced. Failures are cached too, with their reason; an unreadable or older entry is traced again.
+    Without a path nothing is stored."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {}
+        if path is not None and path.exists():
+            try:
+                loaded = json.loads(path.read_text())
+                self.data = loaded if isinstance(loaded, dict) else {}
+            except ValueError:
+                self.data = {}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.data
+
+    def trace(self, **kwargs: Any) -> TraceResult | TraceFailure:
+        """:func:`trace` with these arguments, from the cache when it holds them."""
+        key = trace_key(**kwargs)
+        entry = self.data.get(key)
+        if entry is not None:
+            try:
+                return TraceResult(**entry["result"]) if entry["ok"] else TraceFailure(**entry["result"])
+            except (TypeError, KeyError):  # written by an older format: trace again
+                pass
+        result = trace(**kwargs)
+        self.data[key] = {"ok": isinstance(result, TraceResult), "result": asdict(result)}
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")  # workers never share a tmp
+            tmp.write_text(json.dumps(self.data, indent=1) + "\n")
+            tmp.replace(self.path)
+        return result
+
+
 def cached_trace(*, cache: Path | None, model_spec: dict[str, Any], checkpointing: str, precision: Precision,
                  micro_batch: int, sequence_length: int) -> TraceResult | TraceFailure:
-    """:func:`trace`, cached in the JSON file ``cache`` (failures too, with their reason); None: no cache."""
-    kwargs = {"model_spec": model_spec, "checkpointing": checkpointing, "precision": precision,
-              "micro_batch": micro_batch, "sequence_length": sequence_length}
-    if cache is None:
-        return trace(**kwargs)
-    key = trace_key(**kwargs)
-    try:
-        data = json.loads(cache.read_text()) if cache.exists() else {}
-        entry = data.get(key)
-        if entry is not None:
-            return TraceResult(**entry["result"]) if entry["ok"] else TraceFailure(**entry["result"])
-    except (ValueError, TypeError, KeyError, AttributeError):  # an unreadable or older cache: trace again
-        data = {}
-    result = trace(**kwargs)
-    data[key] = {"ok": isinstance(result, TraceResult), "result": asdict(result)}
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")  # workers sharing the folder never share a tmp
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(cache)
-    return result
+    """:func:`trace`, cached in the JSON file ``cache`` (:class:`TraceCache`); None: no cache."""
+    return TraceCache(cache).trace(model_spec=model_spec, checkpointing=checkpointing, precision=precision,
+                                   micro_batch=micro_batch, sequence_length=sequence_length)
 
 
-def traced_activation(*, cache: Path | None, model_spec: dict[str, Any], checkpointing: str,
+def traced_activation(*, cache: TraceCache | Path | None, model_spec: dict[str, Any], checkpointing: str,
                       precision: Precision, sequence_length: int, micro_batches: tuple[int, ...]) -> TracedActivation:
     """The ledger's entry: a trace at each of ``micro_batches`` (:class:`optimizer.specs.TracedActivation`)."""
+    store = cache if isinstance(cache, TraceCache) else TraceCache(cache)
     points, phase = [], "backward"
     for micro_batch in sorted(set(micro_batches)):
-        result = cached_trace(cache=cache, model_spec=model_spec, checkpointing=checkpointing, precision=precision,
-                              micro_batch=micro_batch, sequence_length=sequence_length)
+        result = store.trace(model_spec=model_spec, checkpointing=checkpointing, precision=precision,
+                             micro_batch=micro_batch, sequence_length=sequence_length)
         if isinstance(result, TraceFailure):
             return TracedActivation(checkpointing=checkpointing, precision=precision, failed_op=result.op)
         points.append((micro_batch, result.activation_peak_bytes))
@@ -271,19 +289,18 @@ def traced_activation(*, cache: Path | None, model_spec: dict[str, Any], checkpo
 
 
 def traceable_options(study: StudySpec) -> list[tuple[str, Precision]]:
-    """(checkpointing, precision) pairs a trial could run: the study's space and its FP32 baseline."""
-    model = study.model
+    """(checkpointing, precision) pairs a trial could run: the study's space and its FP32 baseline, less what
+    :func:`optimizer.constraints.invalid_reasons` refuses (an unsupported precision, selective recompute of a
+    transformers model, every_K past the last block)."""
     values = dict(study.search_space.values)
+    base = baseline_candidate(study.training)
     options = []
     for ckpt in dict.fromkeys(["none", *(str(c) for c in values.get("checkpointing", ()))]):
-        checkpointing = parse_checkpointing(ckpt)
-        if model.hf_config is not None and isinstance(checkpointing, SelectiveCheckpointing):
-            continue
-        if getattr(checkpointing, "k", 1) > model.layers:
-            continue
         for precision in dict.fromkeys([Precision.FP32, *(Precision(str(p)) for p in values.get("precision", ()))]):
-            if precision in study.hardware.supported_precisions:
-                options.append((str(checkpointing), precision))
+            candidate = with_knobs(base, {"checkpointing": ckpt, "precision": str(precision)})
+            if not invalid_reasons(candidate=candidate, model=study.model, hardware=study.hardware,
+                                   training=study.training):
+                options.append((str(candidate.checkpointing), precision))
     return options
 
 
@@ -306,19 +323,15 @@ def with_traced_activations(study: StudySpec, *, warn: Callable[[str], None] | N
         return study
     say = warn or (lambda line: print(line, file=sys.stderr))
     spec = model_dict(model)
-    cache = study.output_dir / "traces.json"
+    cache = TraceCache(study.output_dir / "traces.json")
     micro_batches = traced_micro_batches(study)
     options = traceable_options(study)
-    try:
-        known = json.loads(cache.read_text()) if cache.exists() else {}
-    except ValueError:
-        known = {}
     missing = sum(trace_key(model_spec=spec, checkpointing=c, precision=p, micro_batch=b,
-                            sequence_length=study.training.sequence_length) not in known
+                            sequence_length=study.training.sequence_length) not in cache
                   for c, p in options for b in micro_batches)
     if missing:
         say(f"dsopt: tracing the model on fake tensors: {missing} (checkpointing, precision, micro-batch) "
-            f"combinations, seconds each; cached in {cache}")
+            f"combinations, seconds each; cached in {cache.path}")
     table = []
     for checkpointing, precision in options:
         entry = traced_activation(cache=cache, model_spec=spec, checkpointing=checkpointing, precision=precision,
@@ -341,6 +354,7 @@ def trace_rows(*, study: StudySpec, cache: Path | None = None) -> list[dict[str,
     model = study.model
     spec = model_dict(model)
     mbs, seq = study.training.micro_batch_size, study.training.sequence_length
+    store = TraceCache(cache)
     rows = []
     for checkpointing, precision in traceable_options(study):
         size = 4 if precision is Precision.FP32 else 2
@@ -351,8 +365,8 @@ def trace_rows(*, study: StudySpec, cache: Path | None = None) -> list[dict[str,
             "checkpointing": checkpointing, "precision": str(precision), "micro_batch": mbs,
             "formula_bytes": formula.total_bytes, "formula_blocks_stored_bytes": formula.stored_bytes - head,
             "formula_outside_blocks_bytes": head, "formula_parameters": parameter_count(model)}
-        result = cached_trace(cache=cache, model_spec=spec, checkpointing=checkpointing, precision=precision,
-                              micro_batch=mbs, sequence_length=seq)
+        result = store.trace(model_spec=spec, checkpointing=checkpointing, precision=precision, micro_batch=mbs,
+                             sequence_length=seq)
         if isinstance(result, TraceFailure):
             row.update(source="formula (trace failed)", failure=asdict(result))
         else:

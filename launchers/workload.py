@@ -136,6 +136,12 @@ def recomputed_blocks(checkpointing: str, layers: int) -> set[int]:
     return set()
 
 
+def decoder_blocks(model: nn.Module) -> nn.ModuleList | None:
+    """The decoder blocks: the model's first non-empty ``ModuleList`` (``layers`` here, ``model.layers`` in
+    transformers' Llama and Mistral), or None."""
+    return next((m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)), None)
+
+
 class GPT(nn.Module):
     """A decoder-only transformer whose ``forward(tokens)`` returns the next-token cross-entropy."""
 
