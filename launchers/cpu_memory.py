@@ -15,6 +15,7 @@ uses.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,13 +35,27 @@ def start_cpu_profiler() -> torch.profiler.profile:
     return profiler
 
 
-def live_tensor_peak(profiler: torch.profiler.profile) -> tuple[int, int]:
-    """(peak, final) live CPU tensor bytes over the profiled span, allocations paired by address."""
-    events = [node for node in _walk(profiler.profiler.kineto_results.experimental_event_tree())
-              if node.tag == _EventType.Allocation]
-    events.sort(key=lambda node: node.start_time_ns)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LivePeaks:
+    """Live CPU tensor bytes over a profiled span."""
+
+    peak: int
+    """The peak over the whole span."""
+    before_split: int
+    """The peak up to the end of the ``split_at`` range (the whole span when there is none)."""
+    final: int
+    """Live at the end of the span."""
+
+
+def live_tensor_peaks(profiler: torch.profiler.profile, *, split_at: str | None = None) -> LivePeaks:
+    """Live CPU tensor bytes over the profiled span, allocations paired by address; ``split_at`` names a
+    ``record_function`` range whose end splits the span (e.g. the init phase from the steps)."""
+    nodes = list(_walk(profiler.profiler.kineto_results.experimental_event_tree()))
+    ends = [node.end_time_ns for node in nodes if split_at is not None and node.name == split_at]
+    split_ns = max(ends) if ends else None
+    events = sorted((node for node in nodes if node.tag == _EventType.Allocation), key=lambda node: node.start_time_ns)
     live: dict[int, int] = {}
-    current = peak = 0
+    current = peak = before = 0
     for node in events:
         fields = node.extra_fields
         if fields.device.type != "cpu":
@@ -51,4 +66,12 @@ def live_tensor_peak(profiler: torch.profiler.profile) -> tuple[int, int]:
             live[fields.ptr] = fields.alloc_size
             current += fields.alloc_size
             peak = max(peak, current)
-    return peak, current
+            if split_ns is None or node.start_time_ns <= split_ns:
+                before = max(before, current)
+    return LivePeaks(peak=peak, before_split=before, final=current)
+
+
+def live_tensor_peak(profiler: torch.profiler.profile) -> tuple[int, int]:
+    """(peak, final) live CPU tensor bytes over the profiled span (:func:`live_tensor_peaks`)."""
+    peaks = live_tensor_peaks(profiler)
+    return peaks.peak, peaks.final

@@ -39,8 +39,10 @@ class HfCausalLM(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def build_hf_model(config: dict[str, Any], *, attention: str, checkpointing: str) -> HfCausalLM:
-    """The model of ``config`` with random weights, checkpointed as ``checkpointing`` says."""
+def build_hf_model(config: dict[str, Any], *, attention: str, checkpointing: str, dtype: torch.dtype) -> HfCausalLM:
+    """The model of ``config`` with random weights in ``dtype`` (the config's own ``torch_dtype``/``dtype`` is
+    overridden: a Llama-2 config says float16 even for an FP32 run), checkpointed as ``checkpointing`` says.
+    Under an ``HfDeepSpeedConfig`` of stage 3 the library builds it under ``deepspeed.zero.Init``."""
     try:
         import transformers
     except ImportError as err:
@@ -48,7 +50,8 @@ def build_hf_model(config: dict[str, Any], *, attention: str, checkpointing: str
     settings = dict(config)
     model_type = settings.pop("model_type")
     hf_config = transformers.AutoConfig.for_model(model_type, **settings)
-    inner = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation=ATTENTION[attention])
+    inner = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation=ATTENTION[attention],
+                                                          dtype=dtype)
     if checkpointing == "selective":
         raise ValueError("transformers models have no selective recompute")
     recompute = recomputed_blocks(checkpointing, hf_config.num_hidden_layers)

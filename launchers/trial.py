@@ -125,6 +125,7 @@ def rank_plan(*, study: StudySpec, candidate: Candidate) -> dict[str, Any]:
         "model": model_dict(study.model),
         "entry_point": study.model.entry_point,
         "checkpointing": str(candidate.checkpointing),
+        "construction": str(study.training.construction(candidate.zero_stage)),
         "sequence_length": study.training.sequence_length,
         "seed": study.trial.seed,
         "warmup_steps": study.trial.warmup_steps,
@@ -212,6 +213,8 @@ def result_json(result: TrialResult) -> dict[str, Any]:
     data["peak_memory_bytes"] = result.peak_memory_bytes
     data["peak_reserved_bytes"] = result.peak_reserved_bytes
     data["peak_rss_bytes"] = result.peak_rss_bytes
+    data["init_peak_memory_bytes"] = result.init_peak_memory_bytes
+    data["init_s"] = result.init_s
     return data
 
 

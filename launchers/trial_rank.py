@@ -5,9 +5,11 @@ Started by :mod:`launchers.local` under ``torch.distributed.run`` (one process p
 
 * on success: peak memory (CUDA: ``max_memory_allocated`` and ``max_memory_reserved``; CPU ranks: the
   peak of live tensor bytes from the PyTorch profiler's allocation events (:mod:`launchers.cpu_memory`),
-  recorded from before the model is built through the warm-up steps, and the process's peak RSS),
-  per-step wall time of the measured steps, tokens/s, the loss of every step (mean over ranks and
-  micro-batches), the gradient norm;
+  recorded from before the model is built through the warm-up steps, and the process's peak RSS) over the
+  whole run and over the init phase alone (construction + ``deepspeed.initialize``, ``init_peak_*``), the
+  init time (``init_s``), per-step wall time of the measured steps — each step's batches are built before
+  its clock starts — the loss of every step (mean over ranks and micro-batches), the gradient norm.
+  The model is built as ``plan["construction"]`` says (:mod:`launchers.construction`);
 * on failure: the failure kind, classified from the exception itself — ``oom``
   (``torch.OutOfMemoryError``, or the CPU allocator's ``RuntimeError``), ``unsupported`` (DeepSpeed's
   ``ValueError("Type fp16 is not supported on your device.")``), ``nan`` (a non-finite loss or gradient
@@ -31,13 +33,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from launchers.cpu_memory import live_tensor_peak, start_cpu_profiler
+from launchers.cpu_memory import LivePeaks, live_tensor_peaks, start_cpu_profiler
 from launchers.orphan_guard import die_with_parent
 from launchers.workload import build_workload
 
 UNSUPPORTED_MARK = "is not supported on your device"
 """DeepSpeed engine.py: ``raise ValueError("Type fp16 is not supported on your device.")``."""
 CPU_OOM_MARK = "DefaultCPUAllocator: can't allocate memory"
+INIT_MARK = "dsopt.init"
+"""The profiler range around model construction and ``deepspeed.initialize``: the init phase."""
+BUILD_MARK = "dsopt.build"
+"""The profiler range around model construction alone."""
 
 
 class NonFiniteLoss(RuntimeError):
@@ -67,6 +73,18 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def _step_batches(batch_fn: Any, *, step: int, rank: int, micro: int, accumulation: int,
+                  device: torch.device) -> list[Any]:
+    """The step's micro-batches of this rank, built before the step is timed (data is not the workload)."""
+    per_rank = micro * accumulation
+    batches = []
+    for micro_index in range(accumulation):
+        first = rank * per_rank + micro_index * micro
+        batch = batch_fn(step, list(range(first, first + micro)))
+        batches.append(batch.to(device) if isinstance(batch, torch.Tensor) else batch)
+    return batches
+
+
 def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
     import deepspeed
 
@@ -74,39 +92,56 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
     cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
     config = plan["config"]
     micro, accumulation = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
-    per_rank = micro * accumulation
     warmup, measured = plan["warmup_steps"], plan["measured_steps"]
+    construction = plan.get("construction", "full")
 
     profiler = None
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
         torch.cuda.reset_peak_memory_stats()
     else:
+        device = torch.device("cpu")
         profiler = start_cpu_profiler()
+    deepspeed.init_distributed()  # zero.Init broadcasts and partitions while the model is built
 
-    model, batch_fn = build_workload(model_spec=plan["model"], checkpointing=plan["checkpointing"],
-                                     sequence_length=plan["sequence_length"], seed=plan["seed"],
-                                     entry_point=plan.get("entry_point"))
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
-                                                                     if p.requires_grad], config=config)
+    init_start = time.perf_counter()
+    with torch.profiler.record_function(INIT_MARK):
+        with torch.profiler.record_function(BUILD_MARK):
+            model, batch_fn = build_workload(model_spec=plan["model"], checkpointing=plan["checkpointing"],
+                                             sequence_length=plan["sequence_length"], seed=plan["seed"],
+                                             entry_point=plan.get("entry_point"), construction=construction,
+                                             ds_config=config, device=device)
+        build_peak = int(torch.cuda.max_memory_allocated()) if cuda else None
+        built_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())  # zero.Init's mark
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                         if p.requires_grad], config=config)
+    if cuda:
+        torch.cuda.synchronize()
+    init_s = time.perf_counter() - init_start
+    init_peaks: dict[str, int | None] = {"init_peak_allocated_bytes": None, "init_peak_reserved_bytes": None}
+    if cuda:
+        init_peaks = {"init_peak_allocated_bytes": int(torch.cuda.max_memory_allocated()),
+                      "init_peak_reserved_bytes": int(torch.cuda.max_memory_reserved())}
     losses: list[float] = []
     grad_norms: list[float | None] = []
     step_times: list[float] = []
-    peak_tensor_bytes: int | None = None
+    peaks: LivePeaks | None = None
     for step in range(warmup + measured):
         if step == warmup and profiler is not None:
             profiler.stop()
-            peak_tensor_bytes, _ = live_tensor_peak(profiler)
+            peaks = live_tensor_peaks(profiler, split_at=INIT_MARK)
+            build_peak = live_tensor_peaks(profiler, split_at=BUILD_MARK).before_split
             profiler = None
+        batches = _step_batches(batch_fn, step=step, rank=rank, micro=micro, accumulation=accumulation,
+                                device=engine.device)
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
         total = torch.zeros((), dtype=torch.float64, device=engine.device)
         manual_norm = None
-        for micro_index in range(accumulation):
-            first = rank * per_rank + micro_index * micro
-            batch = batch_fn(step, list(range(first, first + micro)))
-            batch = batch.to(engine.device) if isinstance(batch, torch.Tensor) else batch
+        for micro_index, batch in enumerate(batches):
             loss = engine(batch)
             engine.backward(loss)
             if micro_index == accumulation - 1 and engine.zero_optimization_stage() == 0:
@@ -128,23 +163,33 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
             raise NonFiniteLoss(f"step {step}: loss {mean_loss}, grad norm {norm}")
     if profiler is not None:  # no measured steps: the peak covers everything run
         profiler.stop()
-        peak_tensor_bytes, _ = live_tensor_peak(profiler)
+        peaks = live_tensor_peaks(profiler, split_at=INIT_MARK)
+        build_peak = live_tensor_peaks(profiler, split_at=BUILD_MARK).before_split
     result: dict[str, Any] = {
         "rank": rank,
         "node_rank": int(os.environ.get("GROUP_RANK", "0")),  # torchrun's agent (node) rank
         "host": socket.gethostname(),
         "status": "ok",
         "device": "cuda" if cuda else "cpu",
+        "construction": construction,
+        "built_partitioned": built_partitioned,
+        "build_peak_allocated_bytes": build_peak,
         "losses": losses,
         "grad_norms": grad_norms,
         "step_times_s": step_times,
+        "init_s": init_s,
         "peak_rss_bytes": _peak_rss_bytes(),
+        **init_peaks,
     }
     if cuda:
-        result["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
-        result["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+        result["peak_allocated_bytes"] = max(int(torch.cuda.max_memory_allocated()),
+                                             init_peaks["init_peak_allocated_bytes"] or 0)
+        result["peak_reserved_bytes"] = max(int(torch.cuda.max_memory_reserved()),
+                                            init_peaks["init_peak_reserved_bytes"] or 0)
     else:
-        result["peak_allocated_bytes"] = peak_tensor_bytes
+        assert peaks is not None
+        result["peak_allocated_bytes"] = peaks.peak
+        result["init_peak_allocated_bytes"] = peaks.before_split
         result["peak_reserved_bytes"] = None
     engine.destroy()
     return result

@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from launchers.construction import GPT_INIT_STD, construction_context, seeded_init_, training_dtype
+
 DROPOUT_P = 0.1
 """Dropout probability when the model spec has ``dropout: true``."""
 NOISE_FRACTION = 0.1
@@ -157,7 +159,6 @@ class GPT(nn.Module):
         self.final_norm = _norm(spec["norm"], h)
         self.lm_head = None if spec["tied_embeddings"] else nn.Linear(h, vocab, bias=False)
         self.recompute = recomputed_blocks(checkpointing, spec["layers"])
-        self.apply(_init_weights)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -172,14 +173,6 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
-def _init_weights(module: nn.Module) -> None:
-    """GPT-2's initialisation: weights N(0, 0.02), biases zero (Radford et al. 2019; nanoGPT)."""
-    if isinstance(module, nn.Linear | nn.Embedding):
-        nn.init.normal_(module.weight, mean=0.0, std=0.02)
-    if isinstance(module, nn.Linear) and module.bias is not None:
-        nn.init.zeros_(module.bias)
-
-
 class SyntheticTokens:
     """Deterministic, learnable token sequences: sample ``i`` of step ``k`` depends only on ``(seed, k, i)``."""
 
@@ -192,13 +185,13 @@ class SyntheticTokens:
     def sample(self, step: int, index: int) -> torch.Tensor:
         """``sequence_length + 1`` tokens (inputs and shifted targets)."""
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 1_000_003 + index)
-        tokens = torch.empty(self.length + 1, dtype=torch.long)
-        tokens[0] = torch.randint(0, self.vocab, (1,), generator=gen)
-        noise = torch.rand(self.length + 1, generator=gen) < NOISE_FRACTION
-        random_tokens = torch.randint(0, self.vocab, (self.length + 1,), generator=gen)
-        for t in range(1, self.length + 1):
-            tokens[t] = random_tokens[t] if noise[t] else (self.a * int(tokens[t - 1]) + self.c) % self.vocab
-        return tokens
+        first = int(torch.randint(0, self.vocab, (1,), generator=gen))
+        noise = (torch.rand(self.length + 1, generator=gen) < NOISE_FRACTION).tolist()
+        random_tokens = torch.randint(0, self.vocab, (self.length + 1,), generator=gen).tolist()
+        tokens = [first]
+        for t in range(1, self.length + 1):  # Python ints: element writes into a tensor cost ~1 µs each
+            tokens.append(random_tokens[t] if noise[t] else (self.a * tokens[-1] + self.c) % self.vocab)
+        return torch.tensor(tokens, dtype=torch.long)
 
     def __call__(self, step: int, sample_indices: Sequence[int]) -> torch.Tensor:
         return torch.stack([self.sample(step, i) for i in sample_indices])
@@ -212,21 +205,40 @@ def load_entry_point(entry_point: str) -> Callable[..., tuple[nn.Module, BatchFn
     return getattr(importlib.import_module(module_name), function_name)
 
 
-def build_model(model_spec: dict[str, Any], *, checkpointing: str) -> nn.Module:
-    """The built-in GPT, or the ``transformers`` model of ``model_spec["hf_config"]`` (:mod:`launchers.hf_model`)."""
+def build_model(model_spec: dict[str, Any], *, checkpointing: str, dtype: torch.dtype | None = None) -> nn.Module:
+    """The built-in GPT, or the ``transformers`` model of ``model_spec["hf_config"]`` (:mod:`launchers.hf_model`)
+    built in ``dtype`` (default: the current default dtype) whatever the config's own ``torch_dtype`` says.
+    Weights as the constructors leave them: :func:`build_workload` seeds them."""
     if model_spec.get("hf_config"):
         from launchers.hf_model import build_hf_model
 
-        return build_hf_model(model_spec["hf_config"], attention=model_spec["attention"], checkpointing=checkpointing)
+        return build_hf_model(model_spec["hf_config"], attention=model_spec["attention"], checkpointing=checkpointing,
+                              dtype=dtype or torch.get_default_dtype())
     return GPT(model_spec, checkpointing=checkpointing)
 
 
+def init_std(model_spec: dict[str, Any]) -> float:
+    """The weights' standard deviation: the transformers config's ``initializer_range``, else GPT-2's 0.02."""
+    config = model_spec.get("hf_config") or {}
+    return float(config.get("initializer_range", GPT_INIT_STD))
+
+
 def build_workload(*, model_spec: dict[str, Any], checkpointing: str, sequence_length: int, seed: int,
-                   entry_point: str | None) -> tuple[nn.Module, BatchFn]:
-    """The model and its batch function: the built-in GPT, or the study's entry point."""
+                   entry_point: str | None, construction: str = "full", ds_config: dict[str, Any] | None = None,
+                   device: torch.device | None = None) -> tuple[nn.Module, BatchFn]:
+    """The model and its batch function — the built-in GPT, a transformers model or the study's entry point —
+    built as ``construction`` says (:mod:`launchers.construction`; ``ds_config`` is the trial's DeepSpeed
+    config, ``device`` the rank's device). ``full`` adds no context, so an entry point that calls this for its
+    inner model inherits the construction dsopt entered around it."""
     torch.manual_seed(seed)
-    if entry_point:
-        return load_entry_point(entry_point)(model_spec, sequence_length, seed, checkpointing)
-    model = build_model(model_spec, checkpointing=checkpointing)
+    config = ds_config or {}
+    device = device or torch.device("cpu")
+    hf = bool(model_spec.get("hf_config"))
+    with construction_context(construction, ds_config=config, device=device, hf=hf and not entry_point):
+        if entry_point:
+            return load_entry_point(entry_point)(model_spec, sequence_length, seed, checkpointing)
+        dtype = torch.float32 if construction == "full" else training_dtype(config)
+        model = build_model(model_spec, checkpointing=checkpointing, dtype=dtype)
+    seeded_init_(model, seed=seed, std=init_std(model_spec))
     data = SyntheticTokens(vocab_size=model_spec["vocab_size"], sequence_length=sequence_length, seed=seed)
     return model, data

@@ -11,6 +11,8 @@ and ``runtime/zero/config.py``):
   device" — unless oneDNN supports fp16 on that CPU, e.g. AVX512-FP16/AMX);
 * the micro-batch must divide the global batch over the data-parallel ranks, since gradient
   accumulation is derived: ``global = micro × accumulation × ranks``;
+* ``training.model_init: zero_init`` needs stage 3: ``deepspeed.zero.Init`` partitions the parameters as the
+  model is built (``partition_parameters.py:1232-1262``), and only the stage-3 optimizer trains such a model;
 * a checkpointing option must make sense for the model: ``every_K`` needs K ≤ layers, and a
   seed-mode study must state an activation figure for the option.
 
@@ -20,7 +22,7 @@ Nothing here fixes a candidate: it returns reasons, and the caller reports them.
 from __future__ import annotations
 
 from optimizer.knobs import Candidate, EveryKCheckpointing, OffloadDevice, SelectiveCheckpointing, ZeroStage
-from optimizer.specs import HardwareSpec, ModelSpec, SeedModel, TrainingSpec, TransformerModel
+from optimizer.specs import HardwareSpec, ModelInit, ModelSpec, SeedModel, TrainingSpec, TransformerModel
 
 
 def invalid_reasons(
@@ -41,6 +43,9 @@ def invalid_reasons(
             f"precision={candidate.precision} is not supported on these {hardware.accelerator} devices "
             f"(hardware.supported_precisions: {supported})"
         )
+    if training.model_init is ModelInit.ZERO_INIT and stage is not ZeroStage.PARAMETERS:
+        reasons.append(f"training.model_init=zero_init builds the model partitioned (deepspeed.zero.Init); zero_stage "
+                       f"{int(stage)} cannot train a partitioned model (use model_init auto, device or full)")
     uses_nvme = OffloadDevice.NVME in (candidate.offload_optimizer, candidate.offload_param)
     if uses_nvme and hardware.nvme_path is None:
         reasons.append("NVMe offload needs hardware.nvme_path")

@@ -14,7 +14,7 @@ and source it came from. From the items:
 
 Two modes fill the items: seed mode (:mod:`optimizer.seed_ledger`, the seed's explicit numbers)
 and transformer mode (:mod:`optimizer.model_states`, :mod:`optimizer.transformer`,
-:mod:`optimizer.zero_buffers`, following what DeepSpeed allocates). Nothing here imports torch
+:mod:`optimizer.init_ledger`, following what DeepSpeed allocates). Nothing here imports torch
 or deepspeed.
 """
 
@@ -121,6 +121,12 @@ class Ledger:
         out = {ph.value: always + self._phase_bytes(Location.GPU, ph) for ph in TRANSIENT_PHASES}
         out[Phase.INIT.value] = self._phase_bytes(Location.GPU, Phase.INIT)
         return out
+
+    @property
+    def init_bytes(self) -> int:
+        """Bytes one rank's device holds at the peak of the init phase (CPU ranks: device and host items)."""
+        where = self.host_locations if self.device_is_host else (Location.GPU,)
+        return self._phase_bytes(where, Phase.INIT)
 
     @property
     def predicted_reserved_bytes(self) -> int:

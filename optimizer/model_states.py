@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 from optimizer.activation_ledger import activation_items
 from optimizer.constraints import gradient_accumulation_steps
+from optimizer.init_ledger import construction_moments, init_items, init_moments, moment_bytes
 from optimizer.knobs import Candidate, OffloadDevice, Precision, ZeroStage
 from optimizer.ledger_items import Category, LedgerItem, Location, Phase
-from optimizer.specs import HardwareSpec, TrainingSpec, TransformerModel
+from optimizer.specs import Accelerator, HardwareSpec, TrainingSpec, TransformerModel
 from optimizer.transformer import (
     largest_layer_parameters,
     largest_tensor_parameters,
@@ -216,8 +217,6 @@ def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings) -> list[Led
     items += [
         _item(f"persistent parameters (≤ {settings.param_persistence_threshold:,} elements each)", Category.PARAMS,
               Location.GPU, g * z.k, f"{g}K", f"{DS} parameter_offload.py:317-330"),
-        _item("whole model moved to the device before partitioning", Category.PARAMS, Location.GPU, g * z.psi,
-              f"{g}Ψ", f"{DS} engine.py:2092-2094 (no zero.Init)", Phase.INIT),
         _item("gathered largest module + its full gradient", Category.BUFFERS, Location.GPU,
               2 * g * z.largest_module, f"2·{g}·LL", f"{DS} partition_parameters.py:1329-1346", Phase.BACKWARD),
         _item(f"prefetched parameters (stage3_prefetch_bucket_size = {settings.prefetch_bucket_elements:,})",
@@ -273,6 +272,20 @@ def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings) -> list[Led
     return items
 
 
+def construction_bytes(*, candidate: Candidate, model: TransformerModel, hardware: HardwareSpec,
+                       training: TrainingSpec) -> int:
+    """Per-rank device bytes (CPU ranks: device + host) at the peak of building the model alone, before
+    ``deepspeed.initialize`` (:func:`optimizer.init_ledger.construction_moments`)."""
+    settings = zero_settings(model=model, stage=candidate.zero_stage)
+    z = _sizes(model=model, candidate=candidate, hardware=hardware, training=training, settings=settings)
+    moments = construction_moments(
+        construction=training.construction(candidate.zero_stage), precision=candidate.precision, g=z.g, psi=z.psi,
+        q=z.q, largest_tensor=z.largest_tensor, largest_module=z.largest_module,
+        param_place=Location.GPU if candidate.offload_param is OffloadDevice.NONE else Location.HOST)
+    device_is_host = hardware.accelerator is Accelerator.CPU
+    return max(moment_bytes(m, device_is_host=device_is_host) for m in moments)
+
+
 def transformer_items(
     *, candidate: Candidate, model: TransformerModel, hardware: HardwareSpec, training: TrainingSpec
 ) -> list[LedgerItem]:
@@ -289,9 +302,8 @@ def transformer_items(
 
     items += activation_items(model=model, candidate=candidate, sequence_length=training.sequence_length,
                               element_bytes=z.g)
-    host_model = FP32 * z.psi + (z.g * z.psi if candidate.precision is not Precision.FP32 else 0)
-    items.append(_item("model built on the host in fp32 (+ its cast copy)", Category.PARAMS, Location.HOST,
-                       host_model, "4Ψ" + (f" + {z.g}Ψ" if candidate.precision is not Precision.FP32 else ""),
-                       f"{DS} engine.py:2080-2094 (cast on host, then .to(device))", Phase.INIT))
+    moments = init_moments(candidate=candidate, construction=training.construction(stage), psi=z.psi, n=z.n,
+                           padded=z.padded, p=z.p, q=z.q, s=z.s, largest_tensor=z.largest_tensor,
+                           largest_module=z.largest_module, bucket=z.bucket)
+    items += init_items(moments, device_is_host=hardware.accelerator is Accelerator.CPU)
     return items
-

@@ -262,6 +262,8 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
         trial.set_user_attr("peak_memory_bytes", result.peak_memory_bytes)
         trial.set_user_attr("peak_reserved_bytes", result.peak_reserved_bytes)
         trial.set_user_attr("step_time_s", result.step_time_s)
+        trial.set_user_attr("init_s", result.init_s)
+        trial.set_user_attr("init_peak_memory_bytes", result.init_peak_memory_bytes)
         trial.set_user_attr("losses", list(result.losses))
         trial.set_constraint("loss_fidelity", fidelity - tolerance)
         return float(result.peak_memory_bytes or 0), float(result.tokens_per_s or 0.0)

@@ -278,6 +278,47 @@ class HardwareSpec:
         return self.nodes * self.gpus_per_node
 
 
+class ModelInit(StrEnum):
+    """How the training script builds the model (the study's ``training.model_init``).
+
+    The init phase of the ledger and the trial's construction follow it; the exported config names it.
+    """
+
+    AUTO = "auto"
+    """What Hugging Face's Trainer does: ``zero_init`` at ZeRO stage 3, ``device`` at stages 0–2
+    (``transformers`` enters ``deepspeed.zero.Init`` when the DeepSpeed config has stage 3 —
+    ``modeling_utils.py`` ``_from_config``/``get_init_context`` — and builds in the training dtype otherwise)."""
+    ZERO_INIT = "zero_init"
+    """Under ``deepspeed.zero.Init(config_dict_or_path=ds_config)``: every module's parameters are partitioned
+    as soon as the module is built (``partition_parameters.py:1232-1262``); ZeRO stage 3 only."""
+    DEVICE = "device"
+    """Directly on the rank's device in the training dtype (``torch.device`` + default dtype, as
+    ``from_config(dtype=...)`` does); DeepSpeed creates the FP32 master weights from it."""
+    FULL = "full"
+    """The whole model in FP32 on the host of every rank; DeepSpeed casts it and moves it to the device
+    (``engine.py:2080-2094``). What a plain ``model = Model(); deepspeed.initialize(model=model)`` script does."""
+
+
+class Construction(StrEnum):
+    """The construction a candidate's trial really uses: :class:`ModelInit` resolved for its ZeRO stage."""
+
+    ZERO_INIT = "zero_init"
+    DEVICE = "device"
+    FULL = "full"
+
+
+def construction_for(model_init: ModelInit, stage: ZeroStage) -> Construction:
+    """The construction of ``model_init`` at ``stage`` (``auto``: zero.Init at stage 3, the device below).
+
+    ``zero_init`` below stage 3 has no construction: the constraints mark such candidates invalid."""
+    if model_init is ModelInit.AUTO:
+        return Construction.ZERO_INIT if stage is ZeroStage.PARAMETERS else Construction.DEVICE
+    if model_init is ModelInit.ZERO_INIT and stage is not ZeroStage.PARAMETERS:
+        raise ValueError(f"model_init=zero_init partitions parameters as they are built; zero_stage {int(stage)} "
+                         "cannot train a partitioned model")
+    return Construction(model_init.value)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainingSpec:
     """What is trained: the batch, the sequence length and the optimizer."""
@@ -294,15 +335,21 @@ class TrainingSpec:
     """Adam's learning rate."""
     weight_decay: float = 0.0
     """Adam's (decoupled for AdamW) weight decay."""
+    model_init: ModelInit = ModelInit.AUTO
+    """How the training script builds the model (priced in the ledger's init phase, used by every trial)."""
 
     def __post_init__(self) -> None:
-        _coerce_enums(self, optimizer=Optimizer)
+        _coerce_enums(self, optimizer=Optimizer, model_init=ModelInit)
         for name in ("global_batch_size", "micro_batch_size", "sequence_length"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not self.learning_rate > 0 or self.weight_decay < 0:
             raise ValueError("learning_rate must be > 0 and weight_decay >= 0")
+
+    def construction(self, stage: ZeroStage) -> Construction:
+        """How a trial at ``stage`` builds the model (:func:`construction_for`)."""
+        return construction_for(self.model_init, stage)
 
 
 def baseline_candidate(training: TrainingSpec) -> Candidate:

@@ -43,6 +43,7 @@ from optimizer.specs import (
     AttentionKind,
     HardwareSpec,
     MlpKind,
+    ModelInit,
     ModelSpec,
     NormKind,
     Optimizer,
@@ -354,6 +355,7 @@ def _parse_training(section: _Section) -> TrainingSpec:
         optimizer=section.get("optimizer", _enum(Optimizer), Optimizer.ADAM),
         learning_rate=section.get("learning_rate", _fraction, 1e-3),
         weight_decay=section.get("weight_decay", _fraction, 0.0),
+        model_init=section.get("model_init", _enum(ModelInit), ModelInit.AUTO),
     ))
 
 
@@ -491,6 +493,11 @@ def load_study(path: str | Path) -> StudySpec:
     workers = _parse_workers(_Section(top.get("workers", lambda v: v, {}), source=source, key="workers"))
     slurm = _parse_slurm(_Section(top.get("slurm", lambda v: v, {}), source=source, key="slurm"))
     top.finish()
+    stages = dict(space.values).get("zero_stage", (0,))
+    if training.model_init is ModelInit.ZERO_INIT and 3 not in stages:
+        raise UserError(source=source, key="training.model_init",
+                        why="zero_init (deepspeed.zero.Init) builds a partitioned model that only ZeRO stage 3 trains, "
+                            f"and the search space holds zero_stage {', '.join(str(int(s)) for s in stages)} only")
     per_step = training.micro_batch_size * hardware.world_size
     if training.global_batch_size % per_step:
         raise UserError(source=source, key="training.micro_batch_size",

@@ -26,6 +26,10 @@ def trial_json(*, result: TrialResult, ledger: Ledger | None, tolerance: float, 
         "peak_reserved_bytes": result.peak_reserved_bytes,
         "peak_rss_bytes": result.peak_rss_bytes,
         "per_rank_peak_bytes": [r.peak_allocated_bytes for r in result.ranks],
+        "init_peak_memory_bytes": result.init_peak_memory_bytes,
+        "predicted_init_bytes": None if ledger is None else ledger.init_bytes,
+        "construction": next((r.construction for r in result.ranks), None),
+        "init_s": result.init_s,
         "step_time_s": result.step_time_s,
         "tokens_per_s": result.tokens_per_s,
         "losses": list(result.losses),
@@ -66,9 +70,12 @@ def trial_table(data: dict[str, Any]) -> str:
         f"   predicted per-GPU total: {_mb(data['predicted'])}"
         + ("" if data["predicted_rank_bytes"] == data["predicted"] else
            f"   per CPU rank incl. host items: {_mb(data['predicted_rank_bytes'])}"),
+        f"   init phase (model built: {data['construction']}; + deepspeed.initialize): measured "
+        f"{_mb(data['init_peak_memory_bytes'])}, predicted {_mb(data['predicted_init_bytes'])}",
         "2. speed",
         f"   step time {data['step_time_s']:.4f} s (median of measured steps, slowest rank); "
-        f"{data['tokens_per_s']:,.0f} tokens/s",
+        f"{data['tokens_per_s']:,.0f} tokens/s; init {data['init_s'] or 0:.2f} s (construction + initialize, "
+        "slowest rank)",
         "3. loss and gradient sanity",
         "   losses: " + ", ".join(f"{x:.5f}" for x in data["losses"]),
         "   grad norms: " + ", ".join("-" if g is None else f"{g:.4f}" for g in data["grad_norms"]),

@@ -45,7 +45,19 @@ class RankMeasurement:
     peak_rss_bytes: int
     """The process's peak resident set size."""
     step_times_s: tuple[float, ...]
-    """Wall time of each measured optimizer step."""
+    """Wall time of each measured optimizer step (the step's batches are built before its clock starts)."""
+    init_s: float | None = None
+    """Wall time of the init phase: model construction + ``deepspeed.initialize`` (s)."""
+    init_peak_allocated_bytes: int | None = None
+    """The allocated (CPU ranks: live-tensor) peak of the init phase alone."""
+    build_peak_allocated_bytes: int | None = None
+    """The allocated (CPU ranks: live-tensor) peak while the model was built, before ``deepspeed.initialize``."""
+    init_peak_reserved_bytes: int | None = None
+    """The CUDA reserved peak of the init phase alone; None on CPU ranks."""
+    construction: str | None = None
+    """How the model was built: ``zero_init``, ``device`` or ``full`` (:mod:`launchers.construction`)."""
+    built_partitioned: bool | None = None
+    """Whether the parameters were ZeRO-3 partitioned as they were built (``zero.Init`` took effect)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,6 +95,18 @@ class TrialResult:
     def peak_reserved_bytes(self) -> int | None:
         """Max over ranks of the CUDA reserved peak (None on CPU ranks)."""
         values = [r.peak_reserved_bytes for r in self.ranks if r.peak_reserved_bytes is not None]
+        return max(values) if values else None
+
+    @property
+    def init_peak_memory_bytes(self) -> int | None:
+        """Max over ranks of the init phase's allocated (CPU: live-tensor) peak."""
+        values = [r.init_peak_allocated_bytes for r in self.ranks if r.init_peak_allocated_bytes is not None]
+        return max(values) if values else None
+
+    @property
+    def init_s(self) -> float | None:
+        """The slowest rank's init time (model construction + ``deepspeed.initialize``), s."""
+        values = [r.init_s for r in self.ranks if r.init_s is not None]
         return max(values) if values else None
 
     @property
@@ -130,7 +154,11 @@ def summarize(
     ranks = tuple(
         RankMeasurement(rank=r, peak_allocated_bytes=rep["peak_allocated_bytes"],
                         peak_reserved_bytes=rep["peak_reserved_bytes"], peak_rss_bytes=rep["peak_rss_bytes"],
-                        step_times_s=tuple(rep["step_times_s"]))
+                        step_times_s=tuple(rep["step_times_s"]), init_s=rep.get("init_s"),
+                        init_peak_allocated_bytes=rep.get("init_peak_allocated_bytes"),
+                        init_peak_reserved_bytes=rep.get("init_peak_reserved_bytes"),
+                        build_peak_allocated_bytes=rep.get("build_peak_allocated_bytes"),
+                        construction=rep.get("construction"), built_partitioned=rep.get("built_partitioned"))
         for r, rep in sorted(rank_reports.items())
     )
     losses = tuple(rank_reports[0]["losses"])

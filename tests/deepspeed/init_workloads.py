@@ -1,0 +1,13 @@
+"""An entry point for the construction tests (``model.entry_point: init_workloads:plain_gpt``): a user's
+function that knows nothing of DeepSpeed — it builds the built-in GPT and its data and returns them. dsopt
+enters the construction's context around the call, so at ZeRO stage 3 its modules are partitioned as built.
+"""
+
+from __future__ import annotations
+
+from launchers.workload import build_workload
+
+
+def plain_gpt(spec, sequence_length, seed, checkpointing):
+    return build_workload(model_spec=spec, checkpointing=checkpointing, sequence_length=sequence_length, seed=seed,
+                          entry_point=None)
