@@ -265,7 +265,7 @@ def _stored(study: StudySpec, storage: str | None):
 
 
 def _export(args: argparse.Namespace) -> int:
-    from optimizer.export import export_text, exported_config, write_atomically
+    from optimizer.export import construction_advice, export_text, exported_config, write_atomically
     from optimizer.pareto import pick_trial
 
     study = load_study(args.study)
@@ -282,6 +282,7 @@ def _export(args: argparse.Namespace) -> int:
           + (f" (reused from trial #{attrs['reused_from']})" if "reused_from" in attrs else ""))
     kind = "Hugging Face Trainer variant: batch sizes and optimizer params = auto" if args.hf else "DeepSpeed config"
     print(f"wrote {out} ({kind}; validated by DeepSpeed's parser)")
+    print(construction_advice(spec=study, knobs=attrs["candidate"]))
     return 0
 
 

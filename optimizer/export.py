@@ -45,6 +45,25 @@ def exported_config(*, spec: StudySpec, knobs: dict[str, Any], hf: bool) -> dict
     return auto
 
 
+CONSTRUCTION_ADVICE = {
+    "zero_init": "build your model under deepspeed.zero.Init(config_dict_or_path=<this JSON>) — Hugging Face's "
+                 "Trainer does this for you when TrainingArguments(deepspeed=...) exists before from_pretrained/"
+                 "from_config (stage 3); the measured memory assumes no rank ever holds the whole model",
+    "device": "build your model on its GPU in the training dtype (e.g. from_pretrained(..., dtype=torch.bfloat16) "
+              "or `with torch.device('cuda')`), not in FP32 on the host; DeepSpeed makes the FP32 master weights",
+    "full": "the measurement built the whole FP32 model on every rank's host, as a plain script does",
+}
+"""What each construction asks of the training script that uses an exported config."""
+
+
+def construction_advice(*, spec: StudySpec, knobs: dict[str, Any]) -> str:
+    """How the script must build the model for the exported config's measured memory to hold."""
+    candidate = with_knobs(baseline_candidate(spec.training), {k: knobs[k] for k in KNOB_NAMES if k in knobs})
+    construction = spec.training.construction(candidate.zero_stage)
+    return f"model construction ({construction}, training.model_init={spec.training.model_init}): " \
+        f"{CONSTRUCTION_ADVICE[construction.value]}"
+
+
 def write_atomically(path: Path, text: str, *, force: bool) -> None:
     """Write ``text`` to ``path`` via a temporary file and a rename; refuse to overwrite unless ``force``."""
     if path.is_dir():

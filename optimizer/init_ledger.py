@@ -18,12 +18,14 @@ from ``training.model_init``) and DeepSpeed 0.19.8's set-up code; symbols are :m
   the copy, else on the host with only the flat copy moved over (``stage_1_and_2.py:438-525``); then the FP32
   master partition 4P and a zero FP32 gradient partition 4P (``:560``, ``initialize_optimizer_states``
   ``:934-952``), on the host with ``offload_optimizer`` (plus the g·P staging partition and 2·g·Lₜ buffers).
-* **stage 3** — a model that arrives whole (``device``/``full``) is partitioned on the device (g·Ψ + g·Lₜ);
-  then two moments: the partition and its defragmented flat copy (2·g·Q, ``stage3.py``
-  ``_create_fp16_partitions_with_defragmentation``) beside the FP32 master 4Q (``:1157-1172``), the gradient
-  bucket g·B (``:779-784``) and the gathered largest module (2·g·LL); and the flat partition, the master and
-  the zero FP32 gradient sub-group 4S of ``initialize_optimizer_states`` (``:1301-1344``). With
-  ``offload_optimizer`` the gradient partition is pinned on the host and kept (4Q, ``:1337-1342``).
+* **stage 3** — a model that arrives whole (``device``/``full``) is partitioned on the device (g·Ψ + g·Lₜ); then
+  two moments: the partition and its defragmented flat copy (2·g·Q: ``defragment`` copies the partitions to a
+  host buffer and back, ``runtime/zero/utils.py:215-243``, so on a GPU the copy is on the host; with
+  ``offload_param`` both are pinned host memory, ``stage3.py:975-995``) beside the FP32 master 4Q
+  (``:1157-1172``), the gradient bucket g·B (``:779-784``) and the gathered largest module (2·g·LL); and the
+  flat partition, the master and the zero FP32 gradient sub-group 4S of ``initialize_optimizer_states``
+  (``:1301-1344``). With ``offload_optimizer`` the gradient partition is pinned on the host and kept (4Q,
+  ``:1337-1342``).
 
 Checked against the init-phase peak of real 2-rank CPU runs (``tests/deepspeed/test_init_real.py``). Adam's
 states are created lazily at the first step at stages 1–3 (torch/DeepSpeed Adam), so they are not here.
@@ -135,9 +137,16 @@ def init_moments(*, candidate: Candidate, construction: Construction, psi: int, 
                    "4S" if nvme_optimizer else "4Q", f"{src}:1157-1172")
     bucket_item = _item(f"gradient bucket (reduce_bucket_size = {bucket:,})", Category.BUFFERS, Location.GPU,
                         g * bucket, f"{g}·B", f"{src}:779-784")
+    if candidate.offload_param is OffloadDevice.NONE:  # defragment() goes through a host buffer
+        flat = [_item(f"{precision} parameter partition", Category.PARAMS, Location.GPU, g * q, f"{g}Q",
+                      f"{src}:967-973"),
+                _item(f"{precision} defragmentation buffer (host)", Category.BUFFERS, Location.HOST, g * q, f"{g}Q",
+                      f"{DS} runtime/zero/utils.py:215-243 (partitions copied to the host, then back)")]
+    else:
+        flat = [_item(f"{precision} parameter partition + its flat pinned copy", Category.PARAMS, Location.HOST,
+                      2 * g * q, f"2·{g}Q", f"{src}:975-995 (_create_param_groups_fp16_flat_cpu_memory)")]
     defrag = [
-        _item(f"{precision} parameter partition + its defragmented flat copy", Category.PARAMS, param_place,
-              2 * g * q, f"2·{g}Q", f"{src} _create_fp16_partitions_with_defragmentation"),
+        *flat,
         master, bucket_item,
         _item("largest module gathered", Category.PARAMS, Location.GPU, 2 * g * largest_module, f"2·{g}·LL",
               f"{DS} partition_parameters.py (all-gather buffer + gathered)"),
