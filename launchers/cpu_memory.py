@@ -41,21 +41,22 @@ class LivePeaks:
 
     peak: int
     """The peak over the whole span."""
-    before_split: int
-    """The peak up to the end of the ``split_at`` range (the whole span when there is none)."""
+    until: dict[str, int]
+    """Per ``record_function`` range asked for: the peak up to the end of that range (the whole span's peak
+    when the range was not recorded)."""
     final: int
     """Live at the end of the span."""
 
 
-def live_tensor_peaks(profiler: torch.profiler.profile, *, split_at: str | None = None) -> LivePeaks:
-    """Live CPU tensor bytes over the profiled span, allocations paired by address; ``split_at`` names a
-    ``record_function`` range whose end splits the span (e.g. the init phase from the steps)."""
+def live_tensor_peaks(profiler: torch.profiler.profile, *, ranges: tuple[str, ...] = ()) -> LivePeaks:
+    """Live CPU tensor bytes over the profiled span, allocations paired by address, in one pass; ``ranges`` names
+    ``record_function`` ranges whose ends split the span (e.g. model construction, the init phase)."""
     nodes = list(_walk(profiler.profiler.kineto_results.experimental_event_tree()))
-    ends = [node.end_time_ns for node in nodes if split_at is not None and node.name == split_at]
-    split_ns = max(ends) if ends else None
+    ends = {name: max((node.end_time_ns for node in nodes if node.name == name), default=None) for name in ranges}
     events = sorted((node for node in nodes if node.tag == _EventType.Allocation), key=lambda node: node.start_time_ns)
     live: dict[int, int] = {}
-    current = peak = before = 0
+    current = peak = 0
+    until = dict.fromkeys(ranges, 0)
     for node in events:
         fields = node.extra_fields
         if fields.device.type != "cpu":
@@ -66,9 +67,10 @@ def live_tensor_peaks(profiler: torch.profiler.profile, *, split_at: str | None 
             live[fields.ptr] = fields.alloc_size
             current += fields.alloc_size
             peak = max(peak, current)
-            if split_ns is None or node.start_time_ns <= split_ns:
-                before = max(before, current)
-    return LivePeaks(peak=peak, before_split=before, final=current)
+            for name, end_ns in ends.items():
+                if end_ns is None or node.start_time_ns <= end_ns:
+                    until[name] = max(until[name], current)
+    return LivePeaks(peak=peak, until=until, final=current)
 
 
 def live_tensor_peak(profiler: torch.profiler.profile) -> tuple[int, int]:

@@ -131,8 +131,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
     for step in range(warmup + measured):
         if step == warmup and profiler is not None:
             profiler.stop()
-            peaks = live_tensor_peaks(profiler, split_at=INIT_MARK)
-            build_peak = live_tensor_peaks(profiler, split_at=BUILD_MARK).before_split
+            peaks = live_tensor_peaks(profiler, ranges=(BUILD_MARK, INIT_MARK))
             profiler = None
         batches = _step_batches(batch_fn, step=step, rank=rank, micro=micro, accumulation=accumulation,
                                 device=engine.device)
@@ -163,8 +162,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
             raise NonFiniteLoss(f"step {step}: loss {mean_loss}, grad norm {norm}")
     if profiler is not None:  # no measured steps: the peak covers everything run
         profiler.stop()
-        peaks = live_tensor_peaks(profiler, split_at=INIT_MARK)
-        build_peak = live_tensor_peaks(profiler, split_at=BUILD_MARK).before_split
+        peaks = live_tensor_peaks(profiler, ranges=(BUILD_MARK, INIT_MARK))
     result: dict[str, Any] = {
         "rank": rank,
         "node_rank": int(os.environ.get("GROUP_RANK", "0")),  # torchrun's agent (node) rank
@@ -173,7 +171,6 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
         "device": "cuda" if cuda else "cpu",
         "construction": construction,
         "built_partitioned": built_partitioned,
-        "build_peak_allocated_bytes": build_peak,
         "losses": losses,
         "grad_norms": grad_norms,
         "step_times_s": step_times,
@@ -189,8 +186,10 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
     else:
         assert peaks is not None
         result["peak_allocated_bytes"] = peaks.peak
-        result["init_peak_allocated_bytes"] = peaks.before_split
+        result["init_peak_allocated_bytes"] = peaks.until[INIT_MARK]
+        build_peak = peaks.until[BUILD_MARK]
         result["peak_reserved_bytes"] = None
+    result["build_peak_allocated_bytes"] = build_peak
     engine.destroy()
     return result
 

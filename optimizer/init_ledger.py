@@ -78,7 +78,7 @@ def construction_moments(*, construction: Construction, precision: Precision, g:
     ]]
 
 
-def init_moments(*, candidate: Candidate, construction: Construction, psi: int, n: int, padded: int, p: int,
+def init_moments(*, candidate: Candidate, construction: Construction, psi: int, padded: int, p: int,
                  q: int, s: int, largest_tensor: int, largest_module: int, bucket: int) -> list[Moment]:
     """Every moment of the init phase of ``candidate`` built by ``construction`` (bytes per rank)."""
     precision = candidate.precision

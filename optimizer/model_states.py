@@ -302,7 +302,7 @@ def transformer_items(
 
     items += activation_items(model=model, candidate=candidate, sequence_length=training.sequence_length,
                               element_bytes=z.g)
-    moments = init_moments(candidate=candidate, construction=training.construction(stage), psi=z.psi, n=z.n,
+    moments = init_moments(candidate=candidate, construction=training.construction(stage), psi=z.psi,
                            padded=z.padded, p=z.p, q=z.q, s=z.s, largest_tensor=z.largest_tensor,
                            largest_module=z.largest_module, bucket=z.bucket)
     items += init_items(moments, device_is_host=hardware.accelerator is Accelerator.CPU)

@@ -85,34 +85,34 @@ class TrialResult:
     wall_s: float = 0.0
     """Wall time of the whole launch (s)."""
 
+    def _rank_max(self, field: str) -> int | float | None:
+        values = [v for r in self.ranks if (v := getattr(r, field)) is not None]
+        return max(values) if values else None
+
     @property
     def peak_memory_bytes(self) -> int | None:
         """Max over ranks of the peak allocated (CPU: live-tensor) bytes."""
-        values = [r.peak_allocated_bytes for r in self.ranks if r.peak_allocated_bytes is not None]
-        return max(values) if values else None
+        return self._rank_max("peak_allocated_bytes")  # type: ignore[return-value]
 
     @property
     def peak_reserved_bytes(self) -> int | None:
         """Max over ranks of the CUDA reserved peak (None on CPU ranks)."""
-        values = [r.peak_reserved_bytes for r in self.ranks if r.peak_reserved_bytes is not None]
-        return max(values) if values else None
+        return self._rank_max("peak_reserved_bytes")  # type: ignore[return-value]
 
     @property
     def init_peak_memory_bytes(self) -> int | None:
         """Max over ranks of the init phase's allocated (CPU: live-tensor) peak."""
-        values = [r.init_peak_allocated_bytes for r in self.ranks if r.init_peak_allocated_bytes is not None]
-        return max(values) if values else None
+        return self._rank_max("init_peak_allocated_bytes")  # type: ignore[return-value]
 
     @property
     def init_s(self) -> float | None:
         """The slowest rank's init time (model construction + ``deepspeed.initialize``), s."""
-        values = [r.init_s for r in self.ranks if r.init_s is not None]
-        return max(values) if values else None
+        return self._rank_max("init_s")
 
     @property
     def peak_rss_bytes(self) -> int | None:
         """Max over ranks of the process peak RSS."""
-        return max((r.peak_rss_bytes for r in self.ranks), default=None)
+        return self._rank_max("peak_rss_bytes")  # type: ignore[return-value]
 
 
 def loss_fidelity(losses: Sequence[float], reference: Sequence[float]) -> float:
