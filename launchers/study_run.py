@@ -39,7 +39,14 @@ from optimizer.coordination import (
 from optimizer.errors import UserError
 from optimizer.knobs import Candidate
 from optimizer.ledger import evaluate
-from optimizer.ordering import CALIBRATION_ATTR, EXPLORE_EVERY, StudyModels, calibrated_verdict_fits, study_models
+from optimizer.ordering import (
+    CALIBRATION_ATTR,
+    EXPLORE_EVERY,
+    StudyModels,
+    calibrated_verdict_fits,
+    predicted_speed,
+    study_models,
+)
 from optimizer.search import (
     Branches,
     LaunchGate,
@@ -185,7 +192,9 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     def launch(candidate: Candidate) -> TrialResult:
         if runner is not None:
             return runner(candidate, losses)
-        return run_trial(study=spec, candidate=candidate, reference_losses=losses)
+        step = predicted_speed(candidate, spec=spec, models=current[0])  # calibrated once trials are measured
+        return run_trial(study=spec, candidate=candidate, reference_losses=losses,
+                         step_s=None if isinstance(step, str) else step.total_s)
 
     fail_stale = _fail_stale if kind is StorageKind.POSTGRESQL else None
     gate = LaunchGate(budget=spec.budget, worker=worker, created_at=study.user_attrs.get(CREATED_ATTR),

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -34,6 +35,7 @@ from optimizer.knobs import Candidate, FullCheckpointing, OffloadDevice, ZeroSta
 from optimizer.ledger import evaluate
 from optimizer.specs import Accelerator, TransformerModel, baseline_candidate
 from optimizer.study_file import StudySpec
+from optimizer.throughput import predict_candidate
 from optimizer.trial_result import Outcome, TrialResult, summarize
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
@@ -133,14 +135,24 @@ def rank_plan(*, study: StudySpec, candidate: Candidate) -> dict[str, Any]:
     }
 
 
+def predicted_step_s(study: StudySpec, candidate: Candidate) -> float | None:
+    """The hardware profile's predicted step time of ``candidate`` (None where the model has no figure)."""
+    if not isinstance(study.model, TransformerModel):
+        return None
+    step = predict_candidate(candidate=candidate, model=study.model, hardware=study.hardware, training=study.training)
+    return None if isinstance(step, str) else step.total_s
+
+
 def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None = None,
               reference_losses: list[float] | None = None, ds_config: dict[str, Any] | None = None,
-              slurm_nodes: int | None = None) -> TrialResult:
+              slurm_nodes: int | None = None, step_s: float | None = None) -> TrialResult:
     """Run ``candidate`` for real on this node's devices (CPU ranks when the study says ``cpu``), or across
     the nodes of the SLURM allocation when the study spans several (see :func:`launchers.local.build_launch_plan`).
 
     ``ds_config`` replaces the built config (e.g. to train with an exported JSON file as it is);
-    ``slurm_nodes`` packs a multi-node trial onto fewer SLURM nodes (tests on a one-node cluster).
+    ``slurm_nodes`` packs a multi-node trial onto fewer SLURM nodes (tests on a one-node cluster); ``step_s`` is
+    the predicted step time the launch's limit follows (default: the hardware profile's, :func:`predicted_step_s`;
+    a study passes its calibrated prediction) — see :meth:`~optimizer.specs.TrialSettings.timeout_for`.
     """
     reasons = invalid_reasons(candidate=candidate, model=study.model, hardware=study.hardware,
                               training=study.training)
@@ -174,8 +186,9 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
     log_path = trial_dir / "log.txt"
     record = {"launch_id": launch.env[LAUNCH_ID_VAR], "candidate": candidate.knobs(), "worker": worker_id(),
               "trial_dir": str(trial_dir)}
-    append_launch_record(study, {**record, "event": "start", "at": now_utc().isoformat()})
-    run = execute(launch, timeout_s=study.trial.timeout_s, log_path=log_path)
+    timeout_s = study.trial.timeout_for(step_s if step_s is not None else predicted_step_s(study, candidate))
+    append_launch_record(study, {**record, "event": "start", "at": now_utc().isoformat(), "timeout_s": timeout_s})
+    run = execute(launch, timeout_s=timeout_s, log_path=log_path)
     reports = {}
     for rank in range(ranks):
         path = trial_dir / f"rank{rank}.json"
@@ -219,10 +232,11 @@ def result_json(result: TrialResult) -> dict[str, Any]:
 
 
 def reference_candidate(study: StudySpec) -> Candidate:
-    """The FP32 reference: the baseline if the ledger says it fits; otherwise the FP32 variant of it that fits
-    with the least memory — ZeRO stages, offload and full recomputation change only the order of floating-point
-    reductions (measured ≤ 1e-7 relative on cpu-tiny), so the losses are the baseline's. UserError if no FP32
-    configuration fits."""
+    """The FP32 reference: the baseline if the ledger says it fits; otherwise, of the FP32 variants of it that fit,
+    the one with the shortest predicted step (so that a big model's reference can finish: its launch limit
+    follows that prediction), then the least memory (all of them while the throughput model has no figure) —
+    ZeRO stages, offload and full recomputation change only the order of floating-point reductions (measured
+    ≤ 1e-7 relative on cpu-tiny), so the losses are the baseline's. UserError if no FP32 configuration fits."""
     base = baseline_candidate(study.training)
     spec = {"model": study.model, "hardware": study.hardware, "training": study.training}
     if evaluate(candidate=base, **spec).fits:
@@ -236,11 +250,13 @@ def reference_candidate(study: StudySpec) -> Candidate:
                                                     offload_param=param, checkpointing=checkpointing)
                     verdict = evaluate(candidate=candidate, **spec)
                     if verdict.fits and verdict.ledger is not None:
-                        options.append((verdict.ledger.gpu_needed_bytes, candidate.label(), candidate))
+                        step = predicted_step_s(study, candidate)
+                        options.append((math.inf if step is None else step, verdict.ledger.gpu_needed_bytes,
+                                        candidate.label(), candidate))
     if not options:
         raise UserError(source=str(study.path), key="hardware", why="no FP32 configuration of the model fits, so "
                         "there is no FP32 reference to judge loss fidelity against")
-    return min(options, key=lambda o: o[:2])[2]
+    return min(options, key=lambda o: o[:3])[3]
 
 
 def reference_key(study: StudySpec) -> str:

@@ -105,3 +105,25 @@ def test_full_construction_holds_the_fp32_model_on_the_host(repo_root):
                                 training=_with_init(study, model_init))
         host[model_init] = sum(i.bytes for i in ledger.items if i.phase is Phase.INIT and i.location.value == "host")
     assert host["full"] >= 4 * psi and host["device"] == 0
+
+
+def test_the_launch_limit_follows_the_predicted_step():
+    from optimizer.specs import TrialSettings
+
+    settings = TrialSettings(timeout_s=300.0, warmup_steps=2, measured_steps=3)
+    assert settings.timeout_for(None) == 300.0  # no prediction: the floor
+    assert settings.timeout_for(1.0) == 300.0  # short steps: the floor
+    assert settings.timeout_for(600.0) == 3.0 * (2 + 3 + 2) * 600.0  # a 70B step of 10 minutes: 3.5 hours
+
+
+def test_a_big_models_fp32_reference_is_the_fastest_fitting_variant(repo_root):
+    from launchers.trial import predicted_step_s, reference_candidate
+
+    study = load_study(repo_root / "studies" / "llama-70b-8xh100.yaml")
+    chosen = reference_candidate(study)
+    verdict = evaluate(candidate=chosen, model=study.model, hardware=study.hardware, training=study.training)
+    assert chosen.precision is Precision.FP32 and verdict.fits
+    slowest_fitting = dataclasses.replace(chosen, offload_param=OffloadDevice.CPU, offload_optimizer=OffloadDevice.CPU)
+    assert evaluate(candidate=slowest_fitting, model=study.model, hardware=study.hardware,
+                    training=study.training).fits
+    assert predicted_step_s(study, chosen) < predicted_step_s(study, slowest_fitting)
