@@ -12,7 +12,7 @@ Hardware (NVIDIA DGX datasheets; assumptions, not measured): DGX-2 = 16 × V100 
 = 8 × A100 80 GB, 2 TB RAM, 30 TB NVMe; DGX H100 = 8 × H100 80 GB, 2 TB RAM, 30 TB NVMe. HBM taken as 32 / 80 GiB,
 device_reserve 1 GiB, allocator_overhead 0.12, nvme_path /local_nvme, as studies/llama-7b-8xh100.yaml.
 
-Sources (/work/shared/REFERENCES.md):
+Sources:
 (a) ZeRO paper (Rajbhandari et al. 2020, §3): mixed-precision Adam keeps 16Ψ bytes; ZeRO-3 over N ranks: 16Ψ/N.
 (b) DeepSpeed 0.19.8 ``stage3.py: estimate_zero3_model_states_mem_needs`` → ``(cpu, gpu, largest_layer)`` bytes
     (CPU first), params + optimizer on the CPU: GPU = 4·largest layer; ``stage_1_and_2.py:

@@ -14,10 +14,11 @@ from ``training.model_init``) and DeepSpeed 0.19.8's set-up code; symbols are :m
   ``initialize_weights_zero3``), gathered with its all-gather buffer: 2·g·LL.
 * **stage 0** — FP32: the model as built. 16-bit: ``FP16_Optimizer`` flattens (g·Ψ), makes the FP32 master (4Ψ) and
   runs one step on zero FP32 gradients (4Ψ) so Adam's states exist (8Ψ) (``fused_optimizer.py:88-130``).
-* **stages 1–2** — flattening: the parameters and their flat copy, g·Ψ + g·Ψ₁₂, on the device when it has room for
-  the copy, else on the host with only the flat copy moved over (``stage_1_and_2.py:438-525``); then the FP32
-  master partition 4P and a zero FP32 gradient partition 4P (``:560``, ``initialize_optimizer_states``
-  ``:934-952``), on the host with ``offload_optimizer`` (plus the g·P staging partition and 2·g·Lₜ buffers).
+* **stages 1–2** — flattening: the parameters and their flat copy, g·Ψ + g·Ψ₁₂, on the device when it has room
+  for the copy (device memory − reserve − g·Ψ ≥ g·Ψ₁₂), else on the host with only the flat copy moved over
+  (``stage_1_and_2.py:438-525``); then the FP32 master partition 4P and a zero FP32 gradient partition 4P
+  (``:560``, ``initialize_optimizer_states`` ``:934-952``), on the host with ``offload_optimizer`` (plus the g·P
+  staging partition and 2·g·Lₜ buffers).
 * **stage 3** — a model that arrives whole (``device``/``full``) is partitioned on the device (g·Ψ + g·Lₜ); then
   two moments: the partition and its defragmented flat copy (2·g·Q: ``defragment`` copies the partitions to a
   host buffer and back, ``runtime/zero/utils.py:215-243``, so on a GPU the copy is on the host; with
@@ -38,6 +39,11 @@ from collections.abc import Sequence
 from optimizer.knobs import Candidate, OffloadDevice, Precision, ZeroStage
 from optimizer.ledger_items import Category, LedgerItem, Location, Phase
 from optimizer.specs import Construction
+from optimizer.zero_settings import (
+    DEEPSPEED_PARAM_MAX_IN_CPU,
+    DEEPSPEED_PARAM_SWAP_BUFFER_ELEMENTS,
+    DEEPSPEED_PARAM_SWAP_BUFFERS,
+)
 
 DS = "DeepSpeed 0.19.8"
 FP32 = 4
@@ -52,6 +58,12 @@ def _item(name: str, category: Category, location: Location, num_bytes: int, for
 
 def _place(device: OffloadDevice) -> Location:
     return Location.GPU if device is OffloadDevice.NONE else Location.HOST
+
+
+def parameter_location(offload_param: OffloadDevice) -> Location:
+    """Where ZeRO-3 keeps the parameter partition: the device, pinned host RAM, or NVMe files."""
+    return {OffloadDevice.NONE: Location.GPU, OffloadDevice.CPU: Location.HOST,
+            OffloadDevice.NVME: Location.NVME}[offload_param]
 
 
 def construction_moments(*, construction: Construction, precision: Precision, g: int, psi: int, q: int,
@@ -79,13 +91,17 @@ def construction_moments(*, construction: Construction, precision: Precision, g:
 
 
 def init_moments(*, candidate: Candidate, construction: Construction, psi: int, padded: int, p: int,
-                 q: int, s: int, largest_tensor: int, largest_module: int, bucket: int) -> list[Moment]:
-    """Every moment of the init phase of ``candidate`` built by ``construction`` (bytes per rank)."""
+                 q: int, s: int, largest_tensor: int, largest_module: int, bucket: int,
+                 device_bytes: int | None) -> list[Moment]:
+    """Every moment of the init phase of ``candidate`` built by ``construction`` (bytes per rank).
+
+    ``device_bytes``: the device memory DeepSpeed may use (capacity − reserve), for its "is there room to
+    flatten on the device" test at stages 1–2; None on CPU ranks, where the test reads free host RAM."""
     precision = candidate.precision
     g = precision.bytes_per_element
     stage = candidate.zero_stage
     opt_place = _place(candidate.offload_optimizer)
-    param_place = _place(candidate.offload_param)
+    param_place = parameter_location(candidate.offload_param)
     moments = construction_moments(construction=construction, precision=precision, g=g, psi=psi, q=q,
                             largest_tensor=largest_tensor, largest_module=largest_module, param_place=param_place)
     if stage is ZeroStage.DISABLED:
@@ -103,11 +119,13 @@ def init_moments(*, candidate: Candidate, construction: Construction, psi: int, 
         return moments
     if stage in (ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS):
         src = f"{DS} runtime/zero/stage_1_and_2.py"
+        room = device_bytes is None or device_bytes - g * psi >= g * padded  # :441-451, available_memory()
+        where = Location.GPU if room else Location.HOST
         moments.append([
-            _item(f"{precision} parameters as built", Category.PARAMS, Location.GPU, g * psi, f"{g}Ψ",
-                  f"{src}:438-460"),
-            _item(f"{precision} flat copy (padded to 2N)", Category.PARAMS, Location.GPU, g * padded, f"{g}Ψ₁₂",
-                  f"{src}:503-509"),
+            _item(f"{precision} parameters as built{'' if room else ', moved to the host'}", Category.PARAMS,
+                  where, g * psi, f"{g}Ψ", f"{src}:438-460"),
+            _item(f"{precision} flat copy (padded to 2N){'' if room else ', made on the host'}", Category.PARAMS,
+                  where, g * padded, f"{g}Ψ₁₂", f"{src}:503-521"),
         ])
         setup = [
             _item(f"{precision} parameters (flat, full)", Category.PARAMS, Location.GPU, g * padded, f"{g}Ψ₁₂",
@@ -142,18 +160,33 @@ def init_moments(*, candidate: Candidate, construction: Construction, psi: int, 
                       f"{src}:967-973"),
                 _item(f"{precision} defragmentation buffer (host)", Category.BUFFERS, Location.HOST, g * q, f"{g}Q",
                       f"{DS} runtime/zero/utils.py:215-243 (partitions copied to the host, then back)")]
-    else:
+    elif candidate.offload_param is OffloadDevice.CPU:
         flat = [_item(f"{precision} parameter partition + its flat pinned copy", Category.PARAMS, Location.HOST,
-                      2 * g * q, f"2·{g}Q", f"{src}:975-995 (_create_param_groups_fp16_flat_cpu_memory)")]
+                      2 * g * q, f"2·{g}Q", f"{src}:975-995, 888-911 (_create_param_groups_fp16_flat_cpu_memory)")]
+    else:  # NVMe: the partitions are swapped out; pinned RAM holds at most max_in_cpu of them (:888-911)
+        flat = [
+            _item(f"{precision} parameter partition files", Category.PARAMS, Location.NVME, g * q, f"{g}Q",
+                  f"{DS} partition_parameters.py:1816-1824"),
+            _item(f"{precision} flat pinned copy (≤ max_in_cpu)", Category.PARAMS, Location.HOST,
+                  g * min(q, DEEPSPEED_PARAM_MAX_IN_CPU), f"{g}·min(Q, max_in_cpu)", f"{src}:888-911"),
+            _item("parameter swap buffers (buffer_count × buffer_size)", Category.BUFFERS, Location.HOST,
+                  DEEPSPEED_PARAM_SWAP_BUFFERS * DEEPSPEED_PARAM_SWAP_BUFFER_ELEMENTS * g, f"5·1e8·{g}",
+                  f"{DS} swap_tensor/partitioned_param_swapper.py:104-127"),
+        ]
     defrag = [
         *flat,
         master, bucket_item,
         _item("largest module gathered", Category.PARAMS, Location.GPU, 2 * g * largest_module, f"2·{g}·LL",
               f"{DS} partition_parameters.py (all-gather buffer + gathered)"),
     ]
-    if candidate.offload_optimizer is not OffloadDevice.NONE:  # pinned per sub-group and kept (:1337-1342)
+    if candidate.offload_optimizer is OffloadDevice.CPU:  # pinned per sub-group and kept (:1337-1342)
         defrag.append(_item("fp32 gradient partition (pinned)", Category.GRADS, Location.HOST, FP32 * q, "4Q",
                             f"{src}:1337-1342"))
+        moments.append(defrag)
+        return moments
+    if candidate.offload_optimizer is OffloadDevice.NVME:  # one shared buffer on the host (self.device, :333)
+        defrag.append(_item("zero fp32 gradient sub-group for optimizer set-up", Category.GRADS, Location.HOST,
+                            FP32 * s, "4S", f"{src}:333, 1301-1306, 1344"))
         moments.append(defrag)
         return moments
     moments.append(defrag)

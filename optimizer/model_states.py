@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from optimizer.activation_ledger import activation_items
 from optimizer.constraints import gradient_accumulation_steps
-from optimizer.init_ledger import construction_moments, init_items, init_moments, moment_bytes
+from optimizer.init_ledger import construction_moments, init_items, init_moments, moment_bytes, parameter_location
 from optimizer.knobs import Candidate, OffloadDevice, Precision, ZeroStage
 from optimizer.ledger_items import Category, LedgerItem, Location, Phase
 from optimizer.specs import Accelerator, HardwareSpec, TrainingSpec, TransformerModel
@@ -281,7 +281,7 @@ def construction_bytes(*, candidate: Candidate, model: TransformerModel, hardwar
     moments = construction_moments(
         construction=training.construction(candidate.zero_stage), precision=candidate.precision, g=z.g, psi=z.psi,
         q=z.q, largest_tensor=z.largest_tensor, largest_module=z.largest_module,
-        param_place=Location.GPU if candidate.offload_param is OffloadDevice.NONE else Location.HOST)
+        param_place=parameter_location(candidate.offload_param))
     device_is_host = hardware.accelerator is Accelerator.CPU
     return max(moment_bytes(m, device_is_host=device_is_host) for m in moments)
 
@@ -304,6 +304,8 @@ def transformer_items(
                               element_bytes=z.g)
     moments = init_moments(candidate=candidate, construction=training.construction(stage), psi=z.psi,
                            padded=z.padded, p=z.p, q=z.q, s=z.s, largest_tensor=z.largest_tensor,
-                           largest_module=z.largest_module, bucket=z.bucket)
+                           largest_module=z.largest_module, bucket=z.bucket,
+                           device_bytes=None if hardware.accelerator is Accelerator.CPU
+                           else hardware.gpu_memory_bytes - hardware.device_reserve_bytes)
     items += init_items(moments, device_is_host=hardware.accelerator is Accelerator.CPU)
     return items

@@ -127,3 +127,22 @@ def test_a_big_models_fp32_reference_is_the_fastest_fitting_variant(repo_root):
     assert evaluate(candidate=slowest_fitting, model=study.model, hardware=study.hardware,
                     training=study.training).fits
     assert predicted_step_s(study, chosen) < predicted_step_s(study, slowest_fitting)
+
+
+def test_zero_offload_papers_13b_on_one_v100_fits():
+    """Ren et al. (ATC'21): a 13B model trains on one 32 GB V100 with ZeRO-2 and the optimizer on the CPU. The
+    parameters do not fit twice on the device, so DeepSpeed flattens them on the host (stage_1_and_2.py:441-521)."""
+    from optimizer.specs import HardwareSpec, TrainingSpec, TransformerModel
+
+    model = TransformerModel(layers=40, hidden_size=5120, heads=40, kv_heads=40, ffn_size=20480, vocab_size=50257,
+                             max_positions=1024)
+    hardware = HardwareSpec(gpus_per_node=1, gpu_memory_bytes=32 * 2**30, device_reserve_bytes=2**30,
+                            allocator_overhead=0.12, host_memory_bytes=1_500_000_000_000,
+                            supported_precisions=(Precision.FP32, Precision.FP16))
+    training = TrainingSpec(global_batch_size=1, micro_batch_size=1, sequence_length=1024)
+    candidate = dataclasses.replace(baseline_candidate(training), zero_stage=ZeroStage.GRADIENTS,
+                                    offload_optimizer=OffloadDevice.CPU, precision=Precision.FP16,
+                                    checkpointing=FullCheckpointing())
+    ledger = compute_ledger(candidate=candidate, model=model, hardware=hardware, training=training)
+    assert ledger.fits, ledger.verdict_reasons()
+    assert ledger.init_bytes < 2 * 2 * parameter_count(model)  # the device never holds the fp16 parameters twice
