@@ -46,6 +46,10 @@ BUILD_MARK = "dsopt.build"
 """The profiler range around model construction alone."""
 
 
+class ModelBuildFailed(RuntimeError):
+    """The model could not be built the way the construction says (e.g. an entry point that refuses zero.Init)."""
+
+
 class NonFiniteLoss(RuntimeError):
     """A loss or gradient norm that is NaN or infinite."""
 
@@ -109,10 +113,16 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
     init_start = time.perf_counter()
     with torch.profiler.record_function(INIT_MARK):
         with torch.profiler.record_function(BUILD_MARK):
-            model, batch_fn = build_workload(model_spec=plan["model"], checkpointing=plan["checkpointing"],
-                                             sequence_length=plan["sequence_length"], seed=plan["seed"],
-                                             entry_point=plan.get("entry_point"), construction=construction,
-                                             ds_config=config, device=device)
+            try:
+                model, batch_fn = build_workload(model_spec=plan["model"], checkpointing=plan["checkpointing"],
+                                                 sequence_length=plan["sequence_length"], seed=plan["seed"],
+                                                 entry_point=plan.get("entry_point"), construction=construction,
+                                                 ds_config=config, device=device)
+            except Exception as error:
+                if classify(error) != "crash":  # an OOM while building is an OOM
+                    raise
+                raise ModelBuildFailed(f"building the model ({construction} construction, training.model_init) "
+                                       f"failed: {type(error).__name__}: {error}") from error
         build_peak = int(torch.cuda.max_memory_allocated()) if cuda else None
         built_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())  # zero.Init's mark
         engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()

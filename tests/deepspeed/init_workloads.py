@@ -11,3 +11,11 @@ from launchers.workload import build_workload
 def plain_gpt(spec, sequence_length, seed, checkpointing):
     return build_workload(model_spec=spec, checkpointing=checkpointing, sequence_length=sequence_length, seed=seed,
                           entry_point=None)
+
+
+def refuses_zero_init(spec, sequence_length, seed, checkpointing):
+    """A user's function that reads its weights right after construction — it cannot be built under zero.Init."""
+    model, data = plain_gpt(spec, sequence_length, seed, checkpointing)
+    if next(model.parameters()).numel() == 0:
+        raise RuntimeError("this model reads its weights after construction and needs them whole")
+    return model, data

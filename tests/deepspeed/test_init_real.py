@@ -125,3 +125,11 @@ def test_transformers_model_and_entry_point_build_under_zero_init(folder):
         assert not any(r.built_partitioned for r in z0.ranks)
         worst = max(abs(a - b) / b for a, b in zip(z3.losses, z0.losses, strict=True))
         assert worst <= 1e-6, (z3.losses, z0.losses)
+
+
+def test_an_entry_point_that_cannot_be_built_under_zero_init_is_a_classified_crash(folder):
+    study = _study(folder, model={**MODEL, "entry_point": "init_workloads:refuses_zero_init"})
+    result = run_trial(study=study, candidate=with_knobs(baseline_candidate(study.training), {"zero_stage": 3}))
+    assert result.outcome is Outcome.CRASH
+    assert "ModelBuildFailed" in result.message and "zero_init construction" in result.message
+    assert "needs them whole" in result.message
