@@ -70,14 +70,8 @@ def construction_moments(*, construction: Construction, precision: Precision, g:
                   largest_tensor: int, largest_module: int, param_place: Location) -> list[Moment]:
     """The moments of building the model, before DeepSpeed sees it."""
     if construction is Construction.FULL:
-        host = [_item("model built in fp32 on the host", Category.PARAMS, Location.HOST, FP32 * psi, "4Ψ",
-                      "a script that builds the model whole (training.model_init: full)")]
-        if precision is not Precision.FP32:
-            host.append(_item(f"{precision} copy of one tensor while casting", Category.PARAMS, Location.HOST,
-                              g * largest_tensor, f"{g}Lₜ", f"{DS} engine.py:1859-1862 (param by param)"))
-        moved = [_item(f"whole {precision} model moved to the device", Category.PARAMS, Location.GPU, g * psi,
-                       f"{g}Ψ", f"{DS} engine.py:2092-2094")]
-        return [host, moved]
+        return [[_item("model built in fp32 on the host", Category.PARAMS, Location.HOST, FP32 * psi, "4Ψ",
+                       "a script that builds the model whole (training.model_init: full)")]]
     if construction is Construction.DEVICE:
         return [[_item(f"whole model built on the device in {precision}", Category.PARAMS, Location.GPU, g * psi,
                        f"{g}Ψ", "training.model_init: device (torch.device + default dtype)")]]
@@ -103,7 +97,17 @@ def init_moments(*, candidate: Candidate, construction: Construction, psi: int, 
     opt_place = _place(candidate.offload_optimizer)
     param_place = parameter_location(candidate.offload_param)
     moments = construction_moments(construction=construction, precision=precision, g=g, psi=psi, q=q,
-                            largest_tensor=largest_tensor, largest_module=largest_module, param_place=param_place)
+                                   largest_tensor=largest_tensor, largest_module=largest_module,
+                                   param_place=param_place)
+    if construction is Construction.FULL:  # deepspeed.initialize casts parameter by parameter, then moves them
+        fp32_model = _item("model built in fp32 on the host", Category.PARAMS, Location.HOST, FP32 * psi, "4Ψ",
+                           "a script that builds the model whole (training.model_init: full)")
+        if precision is not Precision.FP32:
+            moments.append([fp32_model, _item(f"{precision} copy of one tensor while casting", Category.PARAMS,
+                                              Location.HOST, g * largest_tensor, f"{g}Lₜ",
+                                              f"{DS} engine.py:1859-1862 (param by param)")])
+        moments.append([_item(f"whole {precision} model moved to the device", Category.PARAMS, Location.GPU,
+                              g * psi, f"{g}Ψ", f"{DS} engine.py:2092-2094")])
     if stage is ZeroStage.DISABLED:
         if precision is not Precision.FP32:
             moments.append([
