@@ -6,7 +6,8 @@ whole for contrast) and at ZeRO-2 in bf16 (built on the device in bf16, and buil
 rank reports give the construction's peak and the init phase's peak (live tensors, :mod:`launchers.cpu_memory`);
 the ledger gives its prediction of both (:mod:`optimizer.init_ledger`). Prints one markdown table.
 
-    .venv/bin/python benchmarks/init_scale.py [--layers 24 --hidden 1024 --vocab 8192]
+    .venv/bin/python benchmarks/init_scale.py [--layers 24 --hidden 1024 --vocab 8192] [--cases scale|every]
+    .venv/bin/python benchmarks/init_scale.py --layers 4 --hidden 256 --vocab 4096 --cases every  # 4.2 M, ~8 min
 
 About 2.5 GB of RAM per rank and a few minutes per trial on 2 cores. On CPU ranks the device and the host are
 one memory, so each figure is the rank's whole live-tensor peak.
@@ -42,7 +43,16 @@ CASES = (
     ("auto", {"zero_stage": 2, "precision": "bf16"}),
     ("full", {"zero_stage": 2, "precision": "bf16"}),
 )
-"""(training.model_init, knobs) of each trial."""
+"""(training.model_init, knobs) of each trial: ``--cases scale``, the default."""
+
+EVERY_STAGE = (
+    {"zero_stage": 0}, {"zero_stage": 0, "precision": "bf16"}, {"zero_stage": 1, "precision": "bf16"},
+    {"zero_stage": 2, "precision": "bf16"}, {"zero_stage": 2}, {"zero_stage": 2, "precision": "bf16",
+                                                                "offload_optimizer": "cpu"},
+    {"zero_stage": 3}, {"zero_stage": 3, "precision": "bf16"},
+    {"zero_stage": 3, "precision": "bf16", "offload_optimizer": "cpu", "offload_param": "cpu"},
+)
+"""``--cases every``: each stage and offload path, each built both ways (for a small model: minutes)."""
 
 
 def _study(folder: Path, *, model_init: str, layers: int, hidden: int, vocab: int) -> StudySpec:
@@ -70,7 +80,11 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--cases", choices=("scale", "every"), default="scale",
+                        help="scale: the ZeRO-3/ZeRO-2 contrast (default); every: each stage × auto and full")
     args = parser.parse_args()
+    cases = CASES if args.cases == "scale" else tuple((init, knobs) for knobs in EVERY_STAGE
+                                                      for init in ("auto", "full"))
     with tempfile.TemporaryDirectory(prefix="dsopt-init-scale-") as tmp:
         folder = Path(tmp)
         studies = {init: _study(folder, model_init=init, layers=args.layers, hidden=args.hidden, vocab=args.vocab)
@@ -84,7 +98,7 @@ def main() -> int:
         print("| candidate | model_init → construction | build peak (ledger) MB | init peak (ledger) MB | "
               "init error | init s | step s |")
         print("|---|---|---|---|---|---|---|")
-        for model_init, knobs in CASES:
+        for model_init, knobs in cases:
             study = studies[model_init]
             candidate = with_knobs(baseline_candidate(study.training), knobs)
             result = run_trial(study=study, candidate=candidate)

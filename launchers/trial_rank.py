@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from launchers.cpu_memory import LivePeaks, live_tensor_peaks, start_cpu_profiler
+from launchers.cpu_memory import LivePeaks, start_cpu_profiler, stop_cpu_profiler
 from launchers.orphan_guard import die_with_parent
 from launchers.workload import build_workload
 
@@ -140,8 +140,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
     peaks: LivePeaks | None = None
     for step in range(warmup + measured):
         if step == warmup and profiler is not None:
-            profiler.stop()
-            peaks = live_tensor_peaks(profiler, ranges=(BUILD_MARK, INIT_MARK))
+            peaks = stop_cpu_profiler(profiler, ranges=(BUILD_MARK, INIT_MARK))
             profiler = None
         batches = _step_batches(batch_fn, step=step, rank=rank, micro=micro, accumulation=accumulation,
                                 device=engine.device)
@@ -171,8 +170,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
         if not math.isfinite(mean_loss) or (norm is not None and not math.isfinite(norm)):
             raise NonFiniteLoss(f"step {step}: loss {mean_loss}, grad norm {norm}")
     if profiler is not None:  # no measured steps: the peak covers everything run
-        profiler.stop()
-        peaks = live_tensor_peaks(profiler, ranges=(BUILD_MARK, INIT_MARK))
+        peaks = stop_cpu_profiler(profiler, ranges=(BUILD_MARK, INIT_MARK))
     result: dict[str, Any] = {
         "rank": rank,
         "node_rank": int(os.environ.get("GROUP_RANK", "0")),  # torchrun's agent (node) rank

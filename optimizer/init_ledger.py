@@ -25,8 +25,10 @@ from ``training.model_init``) and DeepSpeed 0.19.8's set-up code; symbols are :m
   ``offload_param`` both are pinned host memory, ``stage3.py:975-995``) beside the FP32 master 4Q
   (``:1157-1172``), the gradient bucket g·B (``:779-784``) and the gathered largest module (2·g·LL); and the
   flat partition, the master and the zero FP32 gradient sub-group 4S of ``initialize_optimizer_states``
-  (``:1301-1344``). With ``offload_optimizer`` the gradient partition is pinned on the host and kept (4Q,
-  ``:1337-1342``).
+  (``:1301-1344``), on the host when the optimizer is offloaded (``self.device``, ``:333``). With CPU
+  optimizer offload each sub-group's gradient is also zeroed, pinned and kept (4Q in all, ``:1337-1342``);
+  on CUDA the pinning copies one sub-group (+4S, ``accelerator/abstract_accelerator.py:335-339``), on CPU
+  ranks ``pin_memory`` returns the tensor itself (``accelerator/cpu_accelerator.py:283-292``).
 
 Checked against the init-phase peak of real 2-rank CPU runs (``tests/deepspeed/test_init_real.py``). Adam's
 states are created lazily at the first step at stages 1–3 (torch/DeepSpeed Adam), so they are not here.
@@ -183,24 +185,25 @@ def init_moments(*, candidate: Candidate, construction: Construction, psi: int, 
         _item("largest module gathered", Category.PARAMS, Location.GPU, 2 * g * largest_module, f"2·{g}·LL",
               f"{DS} partition_parameters.py (all-gather buffer + gathered)"),
     ]
-    if candidate.offload_optimizer is OffloadDevice.CPU:  # pinned per sub-group and kept (:1337-1342)
-        defrag.append(_item("fp32 gradient partition (pinned)", Category.GRADS, Location.HOST, FP32 * q, "4Q",
-                            f"{src}:1337-1342"))
-        moments.append(defrag)
-        return moments
-    if candidate.offload_optimizer is OffloadDevice.NVME:  # one shared buffer on the host (self.device, :333)
-        defrag.append(_item("zero fp32 gradient sub-group for optimizer set-up", Category.GRADS, Location.HOST,
-                            FP32 * s, "4S", f"{src}:333, 1301-1306, 1344"))
-        moments.append(defrag)
-        return moments
-    moments.append(defrag)
-    moments.append([
-        _item(f"{precision} parameter partition (flat)", Category.PARAMS, param_place, g * q, f"{g}Q",
-              f"{src} _create_fp16_partitions_with_defragmentation"),
-        master, bucket_item,
-        _item("zero fp32 gradient sub-group for optimizer set-up", Category.GRADS, Location.GPU, FP32 * s, "4S",
-              f"{src}:1301-1306, 1344"),
-    ])
+    settled = {  # the partition once defragmented: the flat buffer alone (the old partitions are freed)
+        OffloadDevice.NONE: [_item(f"{precision} parameter partition (flat)", Category.PARAMS, Location.GPU, g * q,
+                                   f"{g}Q", f"{src} _create_fp16_partitions_with_defragmentation")],
+        OffloadDevice.CPU: [_item(f"{precision} parameter partition (flat, pinned)", Category.PARAMS, Location.HOST,
+                                  g * q, f"{g}Q", f"{src}:888-911")],
+    }.get(candidate.offload_param, flat)
+    # initialize_optimizer_states (:1301-1344) zeroes one sub-group-sized FP32 buffer on self.device, which is
+    # the host whenever the optimizer is offloaded (:333); with CPU offload each sub-group also gets its own
+    # zero gradient, pinned and kept (:1337-1342).
+    setup_grads = _item("zero fp32 gradient sub-group for optimizer set-up", Category.GRADS, opt_place, FP32 * s,
+                        "4S", f"{src}:333, 1301-1306")
+    setup = [*settled, master, bucket_item, setup_grads]
+    if candidate.offload_optimizer is OffloadDevice.CPU:
+        setup.append(_item("fp32 gradient partition (pinned)", Category.GRADS, Location.HOST, FP32 * q, "4Q",
+                           f"{src}:1337-1342"))
+        if device_bytes is not None:  # a real pin_memory copies the sub-group's zeros to page-locked memory
+            setup.append(_item("one sub-group's zero gradient while it is pinned", Category.BUFFERS, Location.HOST,
+                               FP32 * s, "4S", f"{src}:1338-1340; {DS} accelerator/abstract_accelerator.py:335-339"))
+    moments += [defrag, setup]
     return moments
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from launchers.cpu_memory import live_tensor_peak, start_cpu_profiler
+from launchers.cpu_memory import COUNT_FLAG, count_every_thread, start_cpu_profiler, stop_cpu_profiler
 from launchers.local import LAUNCH_ID_VAR, build_launch_plan
 from launchers.trial_rank import NonFiniteLoss, classify
 from launchers.workload import SyntheticTokens, recomputed_blocks
@@ -59,11 +60,29 @@ def test_cpu_live_tensor_peak_pairs_allocations():
     b = torch.empty(2_000_000, dtype=torch.uint8)
     del a
     c = torch.empty(500_000, dtype=torch.uint8)
-    profiler.stop()
-    peak, final = live_tensor_peak(profiler)
-    assert peak == 3_000_000
-    assert final == 2_500_000
+    peaks = stop_cpu_profiler(profiler)
+    assert (peaks.peak, peaks.final) == (3_000_000, 2_500_000)
     del b, c
+
+
+def test_cpu_live_tensor_peak_sees_frees_on_other_threads():
+    # gloo frees a bucket on its worker thread once the collective's work object dies there; the profiler
+    # records only the main thread, so address pairing keeps the block live and reads the next peak high.
+    assert count_every_thread(False), "this torch's libc10 does not export " + COUNT_FLAG
+    held = []
+    profiler = start_cpu_profiler()
+    with torch.profiler.record_function("phase.one"):
+        held.append(torch.empty(4_000_000, dtype=torch.uint8))
+        worker = threading.Thread(target=held.clear)  # the last reference dies on another thread
+        worker.start()
+        worker.join()
+    later = torch.empty(1_000_000, dtype=torch.uint8)
+    peaks = stop_cpu_profiler(profiler, ranges=("phase.one",))
+    assert peaks.every_thread
+    assert peaks.peak == 4_000_000
+    assert peaks.final == 1_000_000  # the paired view would still count the freed 4 MB: 5_000_000
+    assert peaks.until["phase.one"] == 4_000_000 and peaks.after["phase.one"] == 1_000_000
+    del later
 
 
 def _report(rank, **extra):
