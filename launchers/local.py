@@ -5,11 +5,14 @@ is a pure function of its inputs and is snapshot-tested; :func:`execute` is the 
 the process. Ranks are started by PyTorch's elastic launcher, ``python -m torch.distributed.run`` (torchrun):
 on one node it needs no hostfile, pdsh or ssh, and when one rank fails it tears the others down. With no
 GPU the ranks are CPU ranks: ``DS_ACCELERATOR=cpu`` (DeepSpeed's CPU accelerator, gloo collectives).
+GPU ranks see only their worker's slice of the node (``CUDA_VISIBLE_DEVICES``, :mod:`launchers.node_share`).
 
 torchrun starts each rank in a session of its own, so a process group alone cannot reach them. Every
 process of a launch therefore carries ``DSOPT_LAUNCH_ID`` in its environment; when the launch times out or
 ends, :func:`execute` finds every process still carrying that id (``/proc/*/environ``) and stops it —
-SIGTERM, a grace period, then SIGKILL — so no rank is ever left behind.
+SIGTERM, a grace period, then SIGKILL — so no rank is ever left behind. While it runs, the JIT-build locks its
+ranks hold are recorded (:mod:`launchers.build_locks`), so that after a failure exactly the locks of its dead
+ranks are removed — never a lock another node may be building under.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-STALE_LOCK_S = 120.0
-"""A JIT-build lock this old, with no compiler working in its folder, was left by a killed rank."""
+from launchers.build_locks import clear_stale_build_locks, record_lock_owners  # the first also for old callers
+
+LOCK_POLL_S = 1.0
+"""Seconds between looks for JIT-build locks held by the launch's ranks (an op build takes seconds to minutes)."""
 TERM_GRACE_S = 5.0
 """Seconds between SIGTERM and SIGKILL when a launch is stopped."""
 LAUNCH_ID_VAR = "DSOPT_LAUNCH_ID"
@@ -64,6 +69,8 @@ def build_launch_plan(
     head_host: str = "127.0.0.1",
     srun: str = "srun",
     slurm_nodes: int | None = None,
+    gpus: Sequence[str] | None = None,
+    cpus_per_task: int | None = None,
 ) -> LaunchPlan:
     """The launch plan for ``ranks`` ranks per node running ``launchers.trial_rank`` (pure).
 
@@ -74,8 +81,18 @@ def build_launch_plan(
     how many SLURM nodes carry the agents; fewer than ``nodes`` packs several agents per node (used to test
     the multi-node path on one machine). With ``parent_pid`` the launcher runs under
     :mod:`launchers.orphan_guard`, so that it dies with the worker.
+
+    ``cpu_count`` is the CPUs this worker may use (:func:`launchers.node_share.read_cpu_allowance`, not the
+    machine's count); each rank gets ``OMP_NUM_THREADS = cpu_count // ranks``. srun gets ``--cpus-per-task``
+    (``cpus_per_task``, the study's ``slurm.cpus_per_task``, else ``cpu_count``) and the threads follow it:
+    since SLURM 22.05 srun no longer inherits the allocation's ``--cpus-per-task`` — "srun will no longer read
+    in SLURM_CPUS_PER_TASK" (RELEASE_NOTES for 22.05; sbatch(1), ``--cpus-per-task``: "must be requested
+    again with the call to srun") — so without it each torchrun agent and all its ranks share one CPU.
+    ``gpus`` (GPU ranks only) becomes ``CUDA_VISIBLE_DEVICES``: the worker's slice of the node
+    (:func:`launchers.node_share.gpu_slice`); None leaves the environment's. CPU ranks see no GPU.
     """
     trial_args = ("-m", "launchers.trial_rank", str(plan_path), str(out_dir))
+    node_cpus = cpu_count if nodes == 1 else (cpus_per_task or cpu_count)
     if nodes == 1:
         argv: tuple[str, ...] = (
             python, "-m", "torch.distributed.run",
@@ -86,7 +103,8 @@ def build_launch_plan(
         hosts = slurm_nodes or nodes
         argv = (
             srun, f"--nodes={hosts}", f"--ntasks={nodes}", f"--ntasks-per-node={-(-nodes // hosts)}",
-            "--kill-on-bad-exit=1", "--export=ALL", f"--job-name=dsopt-trial-{launch_id[:8]}",
+            f"--cpus-per-task={node_cpus}", "--kill-on-bad-exit=1", "--export=ALL",
+            f"--job-name=dsopt-trial-{launch_id[:8]}",
             python, "-m", "torch.distributed.run",
             "--nnodes", str(nodes), "--nproc_per_node", str(ranks),
             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{head_host}:{master_port}", "--rdzv_id", launch_id,
@@ -97,13 +115,15 @@ def build_launch_plan(
     env = dict(base_env)
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([*pythonpath, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
-    env["OMP_NUM_THREADS"] = str(max(1, cpu_count // ranks))
+    env["OMP_NUM_THREADS"] = str(max(1, node_cpus // ranks))
     env["TORCHELASTIC_ERROR_FILE"] = str(out_dir / "elastic_error.json")
     env[LAUNCH_ID_VAR] = launch_id
     env["TORCH_EXTENSIONS_DIR"] = str(extensions_dir)
     if cpu_ranks:
         env["DS_ACCELERATOR"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""
+    elif gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     return LaunchPlan(argv=argv, env=env, cwd=str(cwd))
 
 
@@ -131,32 +151,6 @@ def extensions_dir() -> Path:
     else ``<sys.prefix>/torch_extensions`` — one cache per virtual environment, so two environments do not
     rebuild each other's ops (torch's default, ``~/.cache/torch_extensions``, is shared by all of them)."""
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path(sys.prefix) / "torch_extensions")
-
-
-def clear_stale_build_locks(root: Path, *, older_than_s: float = STALE_LOCK_S) -> list[Path]:
-    """Remove JIT-build ``lock`` files left behind by killed ranks.
-
-    torch's ``cpp_extension`` takes ``<op>/lock`` (a ``FileBaton``) on every load, even of a cached op, and
-    every other process waits for it to disappear: a rank killed inside that window (a timeout, Ctrl-C, a
-    crash) would hang every later trial. A lock older than ``older_than_s`` with no process working in its
-    folder is removed.
-    """
-    removed = []
-    if not root.is_dir():
-        return removed
-    busy = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                busy.add(Path(os.readlink(entry / "cwd")))
-    now = time.time()
-    for lock in root.glob("*/*/lock"):
-        with contextlib.suppress(OSError):
-            if now - lock.stat().st_mtime > older_than_s and not any(
-                    folder == lock.parent or lock.parent in folder.parents for folder in busy):
-                lock.unlink()
-                removed.append(lock)
-    return removed
 
 
 def marked_processes(launch_id: str) -> list[int]:
@@ -192,24 +186,45 @@ def stop_launch(launch_id: str, *, grace_s: float = TERM_GRACE_S) -> int:
     return len(pids)
 
 
+def _wait_watching(proc: subprocess.Popen, *, deadline: float, watch: Callable[[], object]) -> int | None:
+    """``proc``'s exit status, or None once ``deadline`` (monotonic s) passes; ``watch()`` every LOCK_POLL_S."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return proc.poll()
+        try:
+            return proc.wait(timeout=min(LOCK_POLL_S, left))
+        except subprocess.TimeoutExpired:
+            watch()
+
+
 def execute(plan: LaunchPlan, *, timeout_s: float, log_path: Path) -> Execution:
-    """Run the plan, logging to ``log_path``; stop it at ``timeout_s``; leave no process of it behind."""
+    """Run the plan, logging to ``log_path``; stop it at ``timeout_s``; leave no process of it behind.
+
+    Build locks: before the launch, those :func:`~launchers.build_locks.clear_stale_build_locks` condemns are
+    removed; during it, those its ranks hold are recorded; after a failure (every rank is gone by then) the
+    recorded ones, now provably orphaned on this node, are removed."""
     launch_id = plan.env[LAUNCH_ID_VAR]
     locks_root = Path(plan.env["TORCH_EXTENSIONS_DIR"])
     clear_stale_build_locks(locks_root)
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):  # a record we cannot write only keeps a lock longer
+            record_lock_owners(locks_root, pids=lambda: marked_processes(launch_id))
+
     start = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(plan.argv, env=plan.env, cwd=plan.cwd, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        timed_out = False
         try:
-            returncode: int | None = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            stop_launch(launch_id)
-            proc.wait()
-            returncode = None
+            returncode = _wait_watching(proc, deadline=start + timeout_s, watch=watch)
+            timed_out = returncode is None
+            if timed_out:
+                watch()  # the locks held at the moment the ranks are stopped
+                stop_launch(launch_id)
+                proc.wait()
         except BaseException:  # KeyboardInterrupt (SIGINT) or any other exit: take the ranks down too
+            watch()
             stop_launch(launch_id, grace_s=2.0)
             proc.wait()
             raise
@@ -217,7 +232,7 @@ def execute(plan: LaunchPlan, *, timeout_s: float, log_path: Path) -> Execution:
     if leftover:
         stop_launch(launch_id, grace_s=1.0)
     if timed_out or returncode != 0:
-        clear_stale_build_locks(locks_root, older_than_s=0.0)  # every rank of this launch is gone now
+        clear_stale_build_locks(locks_root)  # every rank of this launch is gone now: their recorded locks go
     return Execution(returncode=returncode, timed_out=timed_out, wall_s=time.monotonic() - start)
 
 

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import optuna
@@ -169,12 +169,15 @@ WAIT = StopReason(text="every remaining candidate is being run by another worker
 def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s: float | None,
               runner: Callable[[Candidate, list[float]], TrialResult] | None = None,
               parallel: bool = False, reference: Callable[[], list[float]] | None = None,
-              sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
+              sampler: optuna.samplers.BaseSampler | None = None,
+              gpus: Sequence[str] | None = None) -> optuna.Study:
     """Create or join the study on ``storage`` and run trials until a limit is reached (module doc).
 
     ``parallel`` (``dsopt worker``): other workers may share the storage, so SQLite is refused.
     ``runner`` and ``reference`` replace the real launches (the search-efficiency benchmark replays recorded
-    measurements through them); ``sampler`` replaces Optuna's default (TPE) sampler.
+    measurements through them); ``sampler`` replaces Optuna's default (TPE) sampler. ``gpus`` is this worker's
+    slice of its node's GPUs (:func:`launchers.trial.check_devices`), used by every launch including the
+    reference; None: every GPU the process sees.
     """
     space = branches(spec)  # validate before anything is written
     kind = storage_kind(storage)
@@ -187,14 +190,14 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are data: our progress line reports them
     study = open_study(spec=spec, storage=storage, sampler=sampler)
     losses = setup_study(study=study, spec=spec, space=space, worker=worker,
-                         reference=reference or (lambda: reference_losses(spec)))
+                         reference=reference or (lambda: reference_losses(spec, gpus=gpus)))
 
     def launch(candidate: Candidate) -> TrialResult:
         if runner is not None:
             return runner(candidate, losses)
         step = predicted_speed(candidate, spec=spec, models=current[0])  # calibrated once trials are measured
         return run_trial(study=spec, candidate=candidate, reference_losses=losses,
-                         step_s=None if isinstance(step, str) else step.total_s)
+                         step_s=None if isinstance(step, str) else step.total_s, gpus=gpus)
 
     fail_stale = _fail_stale if kind is StorageKind.POSTGRESQL else None
     gate = LaunchGate(budget=spec.budget, worker=worker, created_at=study.user_attrs.get(CREATED_ATTR),

@@ -3,11 +3,13 @@
 Writes everything a trial used and produced under its folder (``studies/<name>/trials/<candidate>/``):
 ``ds_config.json`` (the builder's output, as launched), ``plan.json`` (what the ranks were told),
 ``log.txt`` (the launcher's and ranks' output), ``rank<r>.json`` (each rank's report) and
-``result.json``. Loss fidelity compares against the study's FP32 reference run — the baseline
-candidate (ZeRO 0, fp32, no checkpointing, the study's micro-batch) on the same global batch and data, or,
-when the ledger says the baseline does not fit, its least-memory FP32 variant (see
+``result.json`` (the result, the library versions it ran under — :func:`optimizer.versions.installed_versions`
+— and what :class:`launchers.host_watch.HostWatch` saw of host memory, from which a launch the kernel's OOM
+killer ended is ``oom_host``, not ``crash``). Loss fidelity compares against the study's FP32 reference
+run — the baseline candidate (ZeRO 0, fp32, no checkpointing, the study's micro-batch) on the same global
+batch and data, or, when the ledger says the baseline does not fit, its least-memory FP32 variant (see
 :func:`reference_candidate`) — run once and cached in ``studies/<name>/reference.json`` under a key of
-everything that determines it.
+everything that determines it, the torch, DeepSpeed, transformers and dsopt versions included.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import shutil
 import socket
 import sys
 import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from launchers.host_watch import HostWatch
 from launchers.local import LAUNCH_ID_VAR, build_launch_plan, execute, extensions_dir, free_port, log_tail
-from optimizer import __version__
+from launchers.node_share import WorkerSlot, gpu_slice, read_cpu_allowance, visible_gpus, worker_slot
 from optimizer.constraints import invalid_reasons
 from optimizer.coordination import now_utc, worker_id
 from optimizer.ds_config import build_ds_config
@@ -37,6 +41,7 @@ from optimizer.specs import Accelerator, TransformerModel, baseline_candidate
 from optimizer.study_file import StudySpec
 from optimizer.throughput import predict_candidate
 from optimizer.trial_result import Outcome, TrialResult, summarize
+from optimizer.versions import installed_versions, warn_deepspeed_mismatch
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,20 +107,33 @@ def multi_node_problem(study: StudySpec, *, slurm_nodes: int | None = None) -> s
             f"allocation of {nodes} nodes (dsopt slurm submit asks for them)")
 
 
-def check_devices(study: StudySpec) -> None:
-    """Refuse (UserError) a study whose ranks this machine cannot provide."""
+def check_devices(study: StudySpec, *, slot: WorkerSlot | None = None) -> tuple[str, ...] | None:
+    """Refuse (UserError) a study whose ranks this machine cannot provide; return this worker's GPU slice
+    (``CUDA_VISIBLE_DEVICES`` entries for :func:`run_trial`'s ``gpus``), None for CPU ranks and for multi-node
+    studies, whose worker holds whole nodes (SLURM sets each node's devices).
+
+    ``slot`` (default: :func:`launchers.node_share.worker_slot` from the environment) says which slice of the
+    node's visible GPUs this worker takes when several share the node."""
     problem = multi_node_problem(study)
     if problem:
         raise UserError(source=str(study.path), key="hardware.nodes", why=problem)
+    slot = slot or worker_slot(explicit=None, env=os.environ)
+    if study.hardware.nodes > 1 and slot.index != 0:
+        raise UserError(source=slot.source, key=str(slot.index), why=f"a worker of a {study.hardware.nodes}-node "
+                        "study holds whole nodes; slots share one node between one-node studies' workers")
     if study.hardware.accelerator is Accelerator.CPU:
-        return
+        return None
     import torch
 
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if visible < study.hardware.gpus_per_node:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < study.hardware.gpus_per_node:
         raise UserError(source=str(study.path), key="hardware.gpus_per_node",
                         why=f"the study asks for {study.hardware.gpus_per_node} CUDA device(s) per node; this "
-                            f"machine has {visible} (use accelerator: cpu for CPU ranks)")
+                            f"machine has {count} (use accelerator: cpu for CPU ranks)")
+    if study.hardware.nodes > 1:
+        return None
+    visible = visible_gpus(cuda_visible=os.environ.get("CUDA_VISIBLE_DEVICES"), device_count=count)
+    return gpu_slice(visible=visible, gpus_per_trial=study.hardware.gpus_per_node, slot=slot)
 
 
 def rank_plan(*, study: StudySpec, candidate: Candidate) -> dict[str, Any]:
@@ -145,14 +163,17 @@ def predicted_step_s(study: StudySpec, candidate: Candidate) -> float | None:
 
 def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None = None,
               reference_losses: list[float] | None = None, ds_config: dict[str, Any] | None = None,
-              slurm_nodes: int | None = None, step_s: float | None = None) -> TrialResult:
+              slurm_nodes: int | None = None, step_s: float | None = None,
+              gpus: Sequence[str] | None = None) -> TrialResult:
     """Run ``candidate`` for real on this node's devices (CPU ranks when the study says ``cpu``), or across
     the nodes of the SLURM allocation when the study spans several (see :func:`launchers.local.build_launch_plan`).
 
     ``ds_config`` replaces the built config (e.g. to train with an exported JSON file as it is);
     ``slurm_nodes`` packs a multi-node trial onto fewer SLURM nodes (tests on a one-node cluster); ``step_s`` is
     the predicted step time the launch's limit follows (default: the hardware profile's, :func:`predicted_step_s`;
-    a study passes its calibrated prediction) — see :meth:`~optimizer.specs.TrialSettings.timeout_for`.
+    a study passes its calibrated prediction) — see :meth:`~optimizer.specs.TrialSettings.timeout_for`;
+    ``gpus`` is this worker's GPU slice (:func:`check_devices`; None: every GPU the process sees). The ranks'
+    threads follow the CPUs this process may really use (:func:`launchers.node_share.read_cpu_allowance`).
     """
     reasons = invalid_reasons(candidate=candidate, model=study.model, hardware=study.hardware,
                               training=study.training)
@@ -179,29 +200,34 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
         cpu_ranks=study.hardware.accelerator is Accelerator.CPU,
         master_port=free_port(), plan_path=trial_dir / "plan.json", out_dir=trial_dir, base_env=os.environ,
         pythonpath=[str(PACKAGE_ROOT), str(study.path.parent.resolve())], cwd=PACKAGE_ROOT,
-        cpu_count=os.cpu_count() or 1, launch_id=uuid.uuid4().hex, extensions_dir=extensions_dir(),
+        cpu_count=read_cpu_allowance(), launch_id=uuid.uuid4().hex, extensions_dir=extensions_dir(),
         parent_pid=os.getpid(), nodes=nodes, head_host=socket.gethostname() if nodes > 1 else "127.0.0.1",
-        slurm_nodes=slurm_nodes,
+        slurm_nodes=slurm_nodes, gpus=gpus if nodes == 1 else None, cpus_per_task=study.slurm.cpus_per_task,
     )
     log_path = trial_dir / "log.txt"
     record = {"launch_id": launch.env[LAUNCH_ID_VAR], "candidate": candidate.knobs(), "worker": worker_id(),
               "trial_dir": str(trial_dir)}
     timeout_s = study.trial.timeout_for(step_s if step_s is not None else predicted_step_s(study, candidate))
     append_launch_record(study, {**record, "event": "start", "at": now_utc().isoformat(), "timeout_s": timeout_s})
-    run = execute(launch, timeout_s=timeout_s, log_path=log_path)
+    warn_deepspeed_mismatch()
+    with HostWatch() as host:  # the kernel's OOM kills and host memory in use while the ranks run
+        run = execute(launch, timeout_s=timeout_s, log_path=log_path)
     reports = {}
     for rank in range(ranks):
         path = trial_dir / f"rank{rank}.json"
-        with contextlib.suppress(OSError, json.JSONDecodeError):  # no report: the rank died (outcome crash)
+        with contextlib.suppress(OSError, json.JSONDecodeError):  # no report: the rank died (crash, or oom_host)
             reports[rank] = json.loads(path.read_text())
     result = summarize(
         rank_reports=reports, world_size=ranks, returncode=run.returncode, timed_out=run.timed_out,
         tokens_per_step=study.training.global_batch_size * study.training.sequence_length,
         reference_losses=reference_losses, log_tail=log_tail(log_path), wall_s=run.wall_s,
+        host_memory=host.evidence(),
     )
     if result.outcome is Outcome.OK:
         result = dataclasses.replace(result, log_tail="")
-    (trial_dir / "result.json").write_text(json.dumps(result_json(result), indent=2) + "\n")
+    record_json = {**result_json(result), "versions": installed_versions(),
+                   "host_memory": dataclasses.asdict(host.evidence())}
+    (trial_dir / "result.json").write_text(json.dumps(record_json, indent=2) + "\n")
     append_launch_record(study, {**record, "event": "end", "at": now_utc().isoformat(),
                                  "outcome": result.outcome.value, "wall_s": round(run.wall_s, 3)})
     return result
@@ -259,16 +285,19 @@ def reference_candidate(study: StudySpec) -> Candidate:
     return min(options, key=lambda o: o[:3])[3]
 
 
-def reference_key(study: StudySpec) -> str:
-    """Everything that determines the reference losses, hashed."""
+def reference_key(study: StudySpec, *, versions: Mapping[str, str | None] | None = None) -> str:
+    """Everything that determines the reference losses, hashed — the library versions included
+    (``versions``, default :func:`optimizer.versions.installed_versions`: torch, DeepSpeed, transformers, dsopt),
+    so that a reference measured under other versions is run again, not served."""
     plan = rank_plan(study=study, candidate=reference_candidate(study))
     payload = {"plan": plan, "ranks": study.hardware.gpus_per_node, "accelerator": str(study.hardware.accelerator),
-               "dsopt": __version__}
+               "versions": dict(installed_versions() if versions is None else versions)}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def reference_losses(study: StudySpec) -> list[float]:
-    """The FP32 reference losses, from the study's cache or from one run of :func:`reference_candidate`."""
+def reference_losses(study: StudySpec, *, gpus: Sequence[str] | None = None) -> list[float]:
+    """The FP32 reference losses, from the study's cache or from one run of :func:`reference_candidate` (on the
+    worker's GPU slice ``gpus``, as :func:`run_trial`)."""
     cache = study.output_dir / "reference.json"
     key = reference_key(study)
     if cache.exists():
@@ -276,12 +305,12 @@ def reference_losses(study: StudySpec) -> list[float]:
         if data.get("key") == key:
             return list(data["losses"])
     candidate = reference_candidate(study)
-    result = run_trial(study=study, candidate=candidate, trial_dir=study.output_dir / "reference")
+    result = run_trial(study=study, candidate=candidate, trial_dir=study.output_dir / "reference", gpus=gpus)
     if result.outcome is not Outcome.OK:
         raise ReferenceFailed(result)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"key": key, "candidate": candidate.knobs(), "losses": list(result.losses)},
-                              indent=2) + "\n")
+    tmp.write_text(json.dumps({"key": key, "versions": installed_versions(), "candidate": candidate.knobs(),
+                               "losses": list(result.losses)}, indent=2) + "\n")
     tmp.replace(cache)
     return list(result.losses)

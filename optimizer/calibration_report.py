@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import optuna
 
-from optimizer.ordering import StudyModels, candidate_of, device_bytes_measured, measured_trials
+from optimizer.ordering import StudyModels, candidate_of, device_bytes_measured, device_bytes_predicted, measured_trials
 from optimizer.specs import TransformerModel, baseline_candidate
 from optimizer.study_file import StudySpec
 from optimizer.throughput import FEATURES, StepTime, predict, profile_rates, work
@@ -42,7 +42,7 @@ def calibration_table(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTr
         after = _speed(predict(job=job, rates=models.rates, ranks=ranks))
         measured_speed = t.user_attrs.get("tokens_per_s")
         device = device_bytes_measured(t)
-        ledger = int(t.user_attrs.get("predicted_gpu_needed_bytes", 0))
+        ledger = device_bytes_predicted(t)
         calibrated = ledger * models.memory_factor(candidate)
         lines.append(
             f"| {t.number} | {candidate.label()} | {device / 1e6:.3f} | {ledger / 1e6:.3f} | {_error(ledger, device)} "

@@ -1,7 +1,8 @@
 """The ``dsopt`` command line. Thin: parse, load the study, one library call, print.
 
 ``main()`` returns the exit code: 0 on success, 2 on a user mistake (printed on one line); ``dsopt trial``
-returns 1 when the trial ran and failed (its outcome — oom, nan, unsupported, timeout, crash — is printed).
+returns 1 when the trial ran and failed (its outcome — oom, oom_host, nan, unsupported, timeout, crash —
+is printed).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from optimizer.errors import EXIT_USER_ERROR, UserError
 from optimizer.knobs import KNOB_NAMES, Candidate, parse_knob
@@ -25,6 +27,10 @@ from optimizer.throughput import StepTime, predict_candidate
 from optimizer.transformer import parameter_count
 from optimizer.trial_report import trial_json, trial_table
 from optimizer.trial_result import Outcome
+from optimizer.versions import warn_deepspeed_mismatch
+
+if TYPE_CHECKING:
+    from launchers.node_share import WorkerSlot
 
 
 def _parse_sets(pairs: Sequence[str], *, base: Candidate) -> Candidate:
@@ -61,6 +67,7 @@ def _study(path: str) -> StudySpec:
 
 
 def _ledger(args: argparse.Namespace) -> int:
+    warn_deepspeed_mismatch()  # the ledger is one DeepSpeed release's allocations (optimizer/versions.py)
     study = _study(args.study)
     base = baseline_candidate(study.training)
     if args.calibrated:
@@ -145,15 +152,15 @@ def _trial(args: argparse.Namespace) -> int:
     if isinstance(study.model, SeedModel):
         raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to run; "
                         "trials need model.kind: transformer")
-    check_devices(study)
+    gpus = check_devices(study)
     reference = None
     own_reference = candidate == reference_candidate(study)
     if not own_reference:
         try:
-            reference = reference_losses(study)
+            reference = reference_losses(study, gpus=gpus)
         except ReferenceFailed as failed:
             print(f"dsopt: warning: {failed}; loss fidelity is not computed", file=sys.stderr)
-    result = run_trial(study=study, candidate=candidate, reference_losses=reference)
+    result = run_trial(study=study, candidate=candidate, reference_losses=reference, gpus=gpus)
     if own_reference and result.losses:
         result = replace(result, loss_fidelity=0.0)  # the FP32 reference itself
     data = trial_json(result=result, ledger=verdict.ledger, tolerance=study.trial.tolerance(candidate.precision),
@@ -162,26 +169,27 @@ def _trial(args: argparse.Namespace) -> int:
     return 0 if result.outcome is Outcome.OK else 1
 
 
-def _runnable_study(path: str) -> StudySpec:
-    """The study file, refused (exit 2) if it cannot run trials here."""
+def _runnable_study(path: str, *, slot: WorkerSlot | None = None) -> tuple[StudySpec, tuple[str, ...] | None]:
+    """The study file and this worker's GPU slice (None: CPU ranks or whole nodes), refused (exit 2) if it
+    cannot run trials here."""
     from launchers.trial import check_devices
 
     study = _study(path)
     if isinstance(study.model, SeedModel):
         raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to run; "
                         "studies need model.kind: transformer")
-    check_devices(study)
-    return study
+    return study, check_devices(study, slot=slot)
 
 
-def _run(study: StudySpec, storage: str, args: argparse.Namespace, *, parallel: bool) -> int:
+def _run(study: StudySpec, storage: str, args: argparse.Namespace, *, parallel: bool,
+         gpus: tuple[str, ...] | None) -> int:
     """``dsopt study run`` and ``dsopt worker``: run, then one summary line."""
     from launchers.study_run import counts, run_study
     from launchers.trial import ReferenceFailed
 
     try:
         result = run_study(spec=study, storage=storage, n_trials=args.n_trials, timeout_s=args.timeout,
-                           parallel=parallel)
+                           parallel=parallel, gpus=gpus)
     except ReferenceFailed as failed:
         print(f"dsopt: {failed}; see {study.output_dir / 'reference' / 'log.txt'}", file=sys.stderr)
         return 1
@@ -201,8 +209,8 @@ def _run(study: StudySpec, storage: str, args: argparse.Namespace, *, parallel: 
 def _study_run(args: argparse.Namespace) -> int:
     from launchers.study_run import default_storage
 
-    study = _runnable_study(args.study)
-    return _run(study, args.storage or default_storage(study), args, parallel=False)
+    study, gpus = _runnable_study(args.study)
+    return _run(study, args.storage or default_storage(study), args, parallel=False, gpus=gpus)
 
 
 def _shared_storage(args: argparse.Namespace) -> str:
@@ -217,7 +225,8 @@ def _shared_storage(args: argparse.Namespace) -> str:
 
 def _worker(args: argparse.Namespace) -> int:
     storage = _shared_storage(args)
-    return _run(_runnable_study(args.study), storage, args, parallel=True)
+    study, gpus = _runnable_study(args.study, slot=args.slot)
+    return _run(study, storage, args, parallel=True, gpus=gpus)
 
 
 def _slurm_submit(args: argparse.Namespace) -> int:
@@ -252,7 +261,7 @@ def _slurm_status(args: argparse.Namespace) -> int:
     if best:
         fastest = max(best, key=lambda t: t.values[1])
         print(f"feasible Pareto front: {len(best)} trial(s); fastest #{fastest.number} {fastest.values[1]:,.0f} "
-              f"tokens/s at {fastest.values[0] / 1e6:.2f} MB per rank (10^6 bytes)")
+              f"tokens/s at {fastest.values[0] / 1e6:.2f} MB of training memory per device (10^6 bytes)")
     else:
         print("feasible Pareto front: empty so far")
     print("\n".join(job_lines(study)))
@@ -277,7 +286,8 @@ def _export(args: argparse.Namespace) -> int:
     write_atomically(out, export_text(config), force=args.force)
     attrs = trial.user_attrs
     print(f"picked trial #{trial.number} ({args.pick}): {attrs.get('candidate')}")
-    print(f"measured: peak {trial.values[0] / 1e6:.3f} MB per rank (10^6 bytes), {trial.values[1]:,.0f} tokens/s, "
+    print(f"measured: training memory {trial.values[0] / 1e6:.3f} MB per device (10^6 bytes), "
+          f"{trial.values[1]:,.0f} tokens/s, "
           f"loss fidelity {attrs.get('loss_fidelity', float('nan')):.1e}"
           + (f" (reused from trial #{attrs['reused_from']})" if "reused_from" in attrs else ""))
     kind = "Hugging Face Trainer variant: batch sizes and optimizer params = auto" if args.hf else "DeepSpeed config"
@@ -371,6 +381,15 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _slot(text: str) -> WorkerSlot:
+    from launchers.node_share import parse_slot
+
+    try:
+        return parse_slot(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
@@ -413,6 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "postgresql+psycopg://... or journal:///shared/file.log")
     worker.add_argument("--n-trials", type=_positive_int, default=None, help="at most N trials in this worker")
     worker.add_argument("--timeout", type=float, default=None, help="stop starting trials after S seconds")
+    worker.add_argument("--slot", type=_slot, default=None, metavar="K[/N]", help="this worker's share of the "
+                        "node's GPUs when several workers share it: GPUs K*g..K*g+g-1 of those visible (g = "
+                        "hardware.gpus_per_node), K from 0; K/N also checks that N workers fit (default: "
+                        "$SLURM_LOCALID inside an srun step, else 0)")
     worker.set_defaults(run=_worker)
     slurm = sub.add_parser("slurm", help="run the study's workers as a SLURM job array")
     slurm_sub = slurm.add_subparsers(dest="slurm_command", required=True)

@@ -41,13 +41,14 @@ from collections.abc import Sequence
 from optimizer.knobs import Candidate, OffloadDevice, Precision, ZeroStage
 from optimizer.ledger_items import Category, LedgerItem, Location, Phase
 from optimizer.specs import Construction
+from optimizer.versions import LEDGER_DEEPSPEED_VERSION
 from optimizer.zero_settings import (
     DEEPSPEED_PARAM_MAX_IN_CPU,
     DEEPSPEED_PARAM_SWAP_BUFFER_ELEMENTS,
     DEEPSPEED_PARAM_SWAP_BUFFERS,
 )
 
-DS = "DeepSpeed 0.19.8"
+DS = f"DeepSpeed {LEDGER_DEEPSPEED_VERSION}"
 FP32 = 4
 Moment = list[LedgerItem]
 

@@ -128,6 +128,34 @@ class Ledger:
         where = self.host_locations if self.device_is_host else (Location.GPU,)
         return self._phase_bytes(where, Phase.INIT)
 
+    def training_bytes_at(self, location: Location | tuple[Location, ...]) -> int:
+        """Bytes one rank holds at ``location`` at training's peak: the always-live items and the largest
+        transient phase, the init phase left out."""
+        return self._phase_bytes(location, Phase.ALWAYS) + max(self._phase_bytes(location, ph)
+                                                               for ph in TRANSIENT_PHASES)
+
+    @property
+    def training_bytes(self) -> int:
+        """Bytes one rank's device holds at training's peak (CPU ranks: device and host items)."""
+        return self.training_bytes_at(self.host_locations if self.device_is_host else (Location.GPU,))
+
+    def init_bytes_at(self, location: Location | tuple[Location, ...]) -> int:
+        """Bytes one rank holds at ``location`` at the init phase's peak."""
+        return self._phase_bytes(location, Phase.INIT)
+
+    @property
+    def training_needed_bytes(self) -> int:
+        """Device memory training alone needs: its allocated peak × (1 + overhead), rounded up, + device reserve
+        (what a trial's training peak in reserved bytes + the reserve is compared with)."""
+        return math.ceil(self.training_bytes_at(Location.GPU) * (1.0 + self.allocator_overhead)) \
+            + self.device_reserve_bytes
+
+    @property
+    def init_needed_bytes(self) -> int:
+        """Device memory the init phase needs: its allocated peak × (1 + overhead), rounded up, + device reserve."""
+        return math.ceil(self.init_bytes_at(Location.GPU) * (1.0 + self.allocator_overhead)) \
+            + self.device_reserve_bytes
+
     @property
     def predicted_reserved_bytes(self) -> int:
         """The allocator's reserved peak: allocated peak × (1 + overhead), rounded up."""

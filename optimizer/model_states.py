@@ -36,6 +36,7 @@ from optimizer.transformer import (
     persistent_parameters,
     zero3_partition_elements,
 )
+from optimizer.versions import LEDGER_DEEPSPEED_VERSION
 from optimizer.zero_settings import (
     DEEPSPEED_OPTIMIZER_SWAP_BUFFERS,
     DEEPSPEED_PARAM_MAX_IN_CPU,
@@ -45,7 +46,8 @@ from optimizer.zero_settings import (
     zero_settings,
 )
 
-DS = "DeepSpeed 0.19.8"
+DS = f"DeepSpeed {LEDGER_DEEPSPEED_VERSION}"
+"""The release the items' file:line sources refer to (:mod:`optimizer.versions`)."""
 STAGE12 = f"{DS} runtime/zero/stage_1_and_2.py"
 STAGE3 = f"{DS} runtime/zero/stage3.py"
 FP32 = 4

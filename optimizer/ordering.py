@@ -80,8 +80,19 @@ def measured_trials(trials: Iterable[optuna.trial.FrozenTrial]) -> list[optuna.t
 
 
 def device_bytes_measured(trial: optuna.trial.FrozenTrial) -> int:
-    """The measured peak minus the ledger's host share (CPU ranks keep offloaded states in the same memory)."""
-    return int(trial.user_attrs.get("peak_memory_bytes") or 0) - int(trial.user_attrs.get("predicted_host_bytes", 0))
+    """What training measured of one device — its reserved (CPU: live-tensor) peak + the device reserve, the
+    memory objective — minus the ledger's host share (CPU ranks keep offloaded states in the same memory).
+    Trials recorded before training was measured apart give their whole-run allocated peak."""
+    attrs = trial.user_attrs
+    measured = attrs.get("memory_objective_bytes") or attrs.get("peak_memory_bytes") or 0
+    return int(measured) - int(attrs.get("predicted_host_bytes", 0))
+
+
+def device_bytes_predicted(trial: optuna.trial.FrozenTrial) -> int:
+    """The ledger's device need of training alone (reserved + device reserve), the counterpart of
+    :func:`device_bytes_measured` (the whole-run need for trials recorded before it existed)."""
+    attrs = trial.user_attrs
+    return int(attrs.get("predicted_training_needed_bytes") or attrs.get("predicted_gpu_needed_bytes") or 0)
 
 
 def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial], base: Candidate) -> StudyModels:
@@ -97,7 +108,7 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
         if t.user_attrs.get("step_time_s"):
             time_samples.append(TimeSample(work=job, step_time_s=float(t.user_attrs["step_time_s"])))
         device = device_bytes_measured(t)
-        needed = int(t.user_attrs.get("predicted_gpu_needed_bytes", 0))
+        needed = device_bytes_predicted(t)
         if needed and device > 0:
             fit = device <= budget
             memory_samples.setdefault(memory_group(candidate), []).append(MemorySample(
@@ -119,14 +130,17 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
 
 
 def calibrated_verdict_fits(verdict: Verdict, *, models: StudyModels, key: str, budget_bytes: int) -> bool:
-    """The pruning rule with the study's memory factor (host and NVMe checks stay the ledger's)."""
+    """The pruning rule with the study's memory factor: the factor (fitted on training peaks) scales the
+    ledger's training need; the init phase's need and the host and NVMe checks stay the ledger's."""
     ledger = verdict.ledger
     if ledger is None:
         return False
     if ledger.fits_host is False or ledger.fits_nvme is False:
         return False
-    return calibrated_fits(predicted_bytes=ledger.gpu_needed_bytes, budget_bytes=budget_bytes,
-                           factor=models.memory_factor(verdict.candidate), measured_fit=key in models.measured_fits)
+    measured_fit = key in models.measured_fits
+    return calibrated_fits(predicted_bytes=ledger.training_needed_bytes, budget_bytes=budget_bytes,
+                           factor=models.memory_factor(verdict.candidate), measured_fit=measured_fit) \
+        and (measured_fit or ledger.init_needed_bytes <= budget_bytes)
 
 
 def predicted_speed(candidate: Candidate, *, spec: StudySpec, models: StudyModels) -> StepTime | str:

@@ -67,7 +67,7 @@ def front_table(study: optuna.Study) -> str:
     """The front as a table: peak memory, throughput, fidelity, the knobs."""
     front = feasible_front(study)
     lines = [f"study {study.study_name}: feasible Pareto front, {len(front)} trial(s) (MB = 10^6 bytes)",
-             f"  {'trial':>5} {'peak MB':>10} {'tokens/s':>10} {'fidelity':>9}  knobs"]
+             f"  {'trial':>5} {'train MB':>10} {'tokens/s':>10} {'fidelity':>9}  knobs"]
     for t in front:
         k = t.user_attrs.get("candidate", {})
         knobs = " ".join(f"{name}={value}" for name, value in k.items())

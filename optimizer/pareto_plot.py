@@ -58,7 +58,7 @@ def write_png(study: optuna.Study, path: Path) -> Path:
     front = sorted(groups["front"])
     if front:
         ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="tab:red", alpha=0.5)
-    ax.set_xlabel("peak memory per rank, measured (MB = 10^6 bytes)")
+    ax.set_xlabel("training memory per device, measured: reserved peak + reserve (MB = 10^6 bytes)")
     ax.set_ylabel("throughput (tokens/s)")
     ax.set_title(f"dsopt study {study.study_name}")
     ax.grid(alpha=0.3)
@@ -76,7 +76,8 @@ def write_html(study: optuna.Study, path: Path) -> Path:
     from optuna.visualization import plot_pareto_front
 
     complete = [t for t in study.get_trials(deepcopy=False) if t.state is TrialState.COMPLETE]
-    fig = plot_pareto_front(study, target_names=["peak memory (bytes)", "tokens/s"]) if complete else go.Figure()
+    names = ["training memory per device (bytes)", "tokens/s"]
+    fig = plot_pareto_front(study, target_names=names) if complete else go.Figure()
     groups = _groups(study)
     for kind in ("pruned", "failed"):
         points = groups[kind]
@@ -84,7 +85,7 @@ def write_html(study: optuna.Study, path: Path) -> Path:
             fig.add_trace(go.Scatter(x=[p[0] * MB for p in points], y=[p[1] for p in points], mode="markers",
                                      name=STYLE[kind]["label"], text=[p[2] for p in points],
                                      marker=dict(symbol="x" if kind == "pruned" else "triangle-down", size=9)))
-    fig.update_layout(title=f"dsopt study {study.study_name}", xaxis_title="peak memory per rank (bytes)",
+    fig.update_layout(title=f"dsopt study {study.study_name}", xaxis_title="training memory per device (bytes)",
                       yaxis_title="tokens/s")
     fig.write_html(str(path), include_plotlyjs=True)
     return path

@@ -1,10 +1,12 @@
 """The study: Optuna multi-objective search with ledger pruning, reuse and an FP32 fidelity constraint.
 
-Objectives: minimise the measured per-rank peak memory (bytes), maximise throughput (tokens/s). Each
+Objectives: minimise the memory training measured per device — its reserved peak on CUDA (live tensors on CPU
+ranks) + the device reserve, the memory that runs out, init left out — and maximise throughput (tokens/s). Each
 sampled candidate goes through the ledger first; an invalid or predicted-not-to-fit candidate is never
 launched — it is recorded as PRUNED with the ledger's breakdown and reason in the trial's user attributes.
 A candidate already measured in the study is not launched again: its values are reused. Loss fidelity
-is a constraint (``trial.set_constraint``, ≤ 0 feasible: fidelity − tolerance of the precision). A trial
+is a constraint (``trial.set_constraint``, ≤ 0 feasible: fidelity − tolerance of the precision), and so is
+the measured init phase (its reserved peak + device reserve over the device's capacity, relative). A trial
 that ends in ``oom``/``nan``/``crash``/``timeout``/``unsupported`` is recorded as FAIL with its outcome, so it
 never reaches the front (``study.best_trials`` is Optuna's feasible Pareto front).
 
@@ -37,6 +39,7 @@ from optimizer.coordination import (
 from optimizer.errors import UserError
 from optimizer.knobs import Candidate, OffloadDevice, ZeroStage, parse_knob
 from optimizer.ledger import Verdict, evaluate
+from optimizer.ledger_items import Location
 from optimizer.ledger_report import ledger_json
 from optimizer.ordering import StudyModels, calibrated_verdict_fits, predicted_speed, study_models
 from optimizer.specs import baseline_candidate
@@ -44,8 +47,11 @@ from optimizer.storage import open_storage, storage_error
 from optimizer.study_file import StudySpec
 from optimizer.trial_result import Outcome, TrialResult
 
+RETRIED = (Outcome.CRASH, Outcome.TIMEOUT)
+"""Outcomes that may be transient (a port race, an NCCL hiccup, a co-tenant): launched again up to
+``trial.retries`` times before they stand. OOM, NaN and unsupported are properties of the candidate."""
 DIRECTIONS = ("minimize", "maximize")
-"""(peak memory bytes, tokens per second)."""
+"""(training's device memory: reserved peak + device reserve, bytes; tokens per second)."""
 SEED_ENQUEUE = 3
 """How many of the ledger's most promising candidates are enqueued when a study is created."""
 
@@ -225,9 +231,12 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
         ledger = verdict.ledger
         trial.set_user_attr("predicted_bytes", ledger.per_gpu()["total"])
         trial.set_user_attr("predicted_gpu_needed_bytes", ledger.gpu_needed_bytes)
-        host_share = (ledger.host_bytes // ledger.ranks_per_node - ledger.per_gpu()["total"]) \
-            if ledger.device_is_host else 0
-        trial.set_user_attr("predicted_host_bytes", host_share)
+        trial.set_user_attr("predicted_training_needed_bytes", ledger.training_needed_bytes)
+        trial.set_user_attr("predicted_init_needed_bytes", ledger.init_needed_bytes)
+        host_share = (ledger.training_bytes - ledger.training_bytes_at(Location.GPU)) if ledger.device_is_host else 0
+        trial.set_user_attr("predicted_host_bytes", host_share)  # CPU ranks: measured with the device's
+        init_host_share = (ledger.init_bytes - ledger.init_bytes_at(Location.GPU)) if ledger.device_is_host else 0
+        trial.set_user_attr("predicted_init_host_bytes", init_host_share)
         tolerance = spec.trial.tolerance(candidate.precision)
         previous = _finished(trial.study, key, exclude=trial.number)
         if previous is not None:  # measured already: its result stands, whatever the models say now
@@ -251,6 +260,12 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
         if artifact_dir is not None:
             trial.set_user_attr("trial_dir", artifact_dir(candidate))
         result = runner(candidate)
+        failed: list[dict[str, Any]] = []
+        while result.outcome in RETRIED and len(failed) < spec.trial.retries:  # maybe transient: once more
+            failed.append({"outcome": result.outcome.value, "message": result.message[-300:], "wall_s": result.wall_s})
+            trial.set_user_attr("failed_attempts", failed)
+            result = runner(candidate)
+        trial.set_user_attr("attempts", len(failed) + 1)
         trial.set_user_attr("outcome", result.outcome.value)
         trial.set_user_attr("wall_s", result.wall_s)
         if result.outcome is not Outcome.OK:
@@ -264,9 +279,18 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
         trial.set_user_attr("step_time_s", result.step_time_s)
         trial.set_user_attr("init_s", result.init_s)
         trial.set_user_attr("init_peak_memory_bytes", result.init_peak_memory_bytes)
+        trial.set_user_attr("init_peak_reserved_bytes", result.init_peak_reserved_bytes)
+        trial.set_user_attr("training_peak_memory_bytes", result.training_peak_memory_bytes)
+        trial.set_user_attr("training_peak_reserved_bytes", result.training_peak_reserved_bytes)
+        trial.set_user_attr("skipped_steps", result.skipped_steps)
         trial.set_user_attr("losses", list(result.losses))
-        trial.set_constraint("loss_fidelity", fidelity - tolerance)
-        return float(result.peak_memory_bytes or 0), float(result.tokens_per_s or 0.0)
+        reserve = spec.hardware.device_reserve_bytes
+        memory = result.training_device_bytes(device_reserve_bytes=reserve) or 0
+        trial.set_user_attr("memory_objective_bytes", memory)
+        init_need = (result.init_device_bytes(device_reserve_bytes=reserve) or 0) - init_host_share
+        trial.set_user_attr("init_memory_excess", (init_need - ledger.gpu_capacity_bytes) / ledger.gpu_capacity_bytes)
+        _constrain(trial, fidelity=fidelity - tolerance, init_memory=trial.user_attrs["init_memory_excess"])
+        return float(memory), float(result.tokens_per_s or 0.0)
 
     return objective
 
@@ -301,13 +325,22 @@ def _acquire(trial: optuna.Trial, key: str, gate: LaunchGate) -> optuna.trial.Fr
 def _reuse(trial: optuna.Trial, previous: optuna.trial.FrozenTrial, tolerance: float) -> tuple[float, float]:
     """Record ``previous``'s result on ``trial`` instead of launching again (a failure is reused as one)."""
     trial.set_user_attr("reused_from", previous.number)
-    for name in ("outcome", "message", "loss_fidelity", "tokens_per_s", "peak_memory_bytes", "trial_dir"):
+    for name in ("outcome", "message", "loss_fidelity", "tokens_per_s", "peak_memory_bytes", "trial_dir",
+                 "memory_objective_bytes", "init_memory_excess"):
         if name in previous.user_attrs:
             trial.set_user_attr(name, previous.user_attrs[name])
     if previous.state is optuna.trial.TrialState.FAIL:
         raise TrialFailed(f"{previous.user_attrs['outcome']} (as trial {previous.number})")
-    trial.set_constraint("loss_fidelity", previous.user_attrs["loss_fidelity"] - tolerance)
+    _constrain(trial, fidelity=previous.user_attrs["loss_fidelity"] - tolerance,
+               init_memory=previous.user_attrs.get("init_memory_excess", 0.0))
     return tuple(previous.values)  # type: ignore[return-value]
+
+
+def _constrain(trial: optuna.Trial, *, fidelity: float, init_memory: float) -> None:
+    """The constraints (≤ 0 feasible): loss fidelity − the precision's tolerance; the measured init phase's
+    device need (reserved peak + device reserve) − the device's capacity, relative to the capacity."""
+    trial.set_constraint("loss_fidelity", fidelity)
+    trial.set_constraint("init_memory", init_memory)
 
 
 def _finished(study: optuna.Study, key: str, *, exclude: int) -> optuna.trial.FrozenTrial | None:

@@ -389,6 +389,9 @@ class TrialSettings:
     Where the throughput model predicts the step time, the limit grows with it (:meth:`timeout_for`)."""
     seed: int = 0
     """Seed of the model initialisation and the synthetic data: every trial sees the same batches."""
+    retries: int = 1
+    """Launches again after a ``crash`` or ``timeout`` — a port race, an NCCL hiccup, a co-tenant — before the
+    outcome is recorded as the candidate's (and reused); OOM, NaN and unsupported are never retried."""
     fidelity_tolerance: tuple[tuple[Precision, float], ...] = (
         (Precision.FP32, 1e-4), (Precision.BF16, 2e-2), (Precision.FP16, 5e-2))
     """Largest accepted relative loss deviation from the FP32 reference, per precision. fp32: ZeRO 1–3 only
@@ -400,6 +403,8 @@ class TrialSettings:
             raise ValueError("warmup_steps must be >= 2 and measured_steps >= 1")
         if not self.timeout_s > 0:
             raise ValueError("timeout_s must be > 0")
+        if self.retries < 0:
+            raise ValueError("retries must be >= 0")
 
     def timeout_for(self, predicted_step_s: float | None) -> float:
         """The launch's wall-clock limit: ``timeout_s``, or — when the throughput model predicts a step of

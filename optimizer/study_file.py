@@ -7,7 +7,7 @@ A study file holds these sections::
     hardware: {gpus_per_node: 2, gpu_memory: 24 GB, ...}
     training: {global_batch_size: 16, micro_batch_size: 4, sequence_length: 1024}
     search_space: ../search_spaces/default.yaml   # or an inline {knobs: {...}}
-    trial: {timeout_s: 300, ...}                  # optional: how real trials run and are judged
+    trial: {timeout_s: 300, retries: 1, ...}      # optional: how real trials run and are judged
     budget: {max_launches: 40, ...}               # optional: the study's global budget (all workers)
     workers: {heartbeat_s: 60, ...}               # optional: worker liveness on a shared storage
     slurm: {partition: gpu, ...}                  # optional: what 'dsopt slurm submit' writes
@@ -379,6 +379,7 @@ def _parse_trial(section: _Section) -> TrialSettings:
         measured_steps=section.get("measured_steps", _positive_int, defaults.measured_steps),
         timeout_s=section.get("timeout_s", _fraction, defaults.timeout_s),
         seed=section.get("seed", parse_count, defaults.seed),
+        retries=section.get("retries", parse_count, defaults.retries),
         fidelity_tolerance=section.get("fidelity_tolerance", _tolerances, defaults.fidelity_tolerance),
     ))
 

@@ -27,7 +27,14 @@ def trial_json(*, result: TrialResult, ledger: Ledger | None, tolerance: float, 
         "peak_rss_bytes": result.peak_rss_bytes,
         "per_rank_peak_bytes": [r.peak_allocated_bytes for r in result.ranks],
         "init_peak_memory_bytes": result.init_peak_memory_bytes,
+        "init_peak_reserved_bytes": result.init_peak_reserved_bytes,
         "predicted_init_bytes": None if ledger is None else ledger.init_bytes,
+        "training_peak_memory_bytes": result.training_peak_memory_bytes,
+        "training_peak_reserved_bytes": result.training_peak_reserved_bytes,
+        "predicted_training_bytes": None if ledger is None else ledger.training_bytes,
+        "skipped_steps": result.skipped_steps,
+        "applied": list(result.applied),
+        "loss_scales": list(result.loss_scales),
         "construction": next((r.construction for r in result.ranks), None),
         "init_s": result.init_s,
         "step_time_s": result.step_time_s,
@@ -71,7 +78,10 @@ def trial_table(data: dict[str, Any]) -> str:
         + ("" if data["predicted_rank_bytes"] == data["predicted"] else
            f"   per CPU rank incl. host items: {_mb(data['predicted_rank_bytes'])}"),
         f"   init phase (model built: {data['construction']}; + deepspeed.initialize): measured "
-        f"{_mb(data['init_peak_memory_bytes'])}, predicted {_mb(data['predicted_init_bytes'])}",
+        f"{_mb(data['init_peak_memory_bytes'])} (reserved {_mb(data['init_peak_reserved_bytes'])}), predicted "
+        f"{_mb(data['predicted_init_bytes'])}",
+        f"   training alone: measured {_mb(data['training_peak_memory_bytes'])} (reserved "
+        f"{_mb(data['training_peak_reserved_bytes'])}), predicted {_mb(data['predicted_training_bytes'])}",
         "2. speed",
         f"   step time {data['step_time_s']:.4f} s (median of measured steps, slowest rank); "
         f"{data['tokens_per_s']:,.0f} tokens/s; init {data['init_s'] or 0:.2f} s (construction + initialize, "
@@ -79,6 +89,8 @@ def trial_table(data: dict[str, Any]) -> str:
         "3. loss and gradient sanity",
         "   losses: " + ", ".join(f"{x:.5f}" for x in data["losses"]),
         "   grad norms: " + ", ".join("-" if g is None else f"{g:.4f}" for g in data["grad_norms"]),
+        *([f"   fp16 overflows: {data['skipped_steps']} step(s) skipped and replayed, not timed; loss scale "
+           + ", ".join("-" if x is None else f"{x:g}" for x in data["loss_scales"])] if data["skipped_steps"] else []),
         f"4. agreement with the FP32 baseline: {fid_text}",
         "",
         f"files: {data['trial_dir']} (ds_config.json, plan.json, log.txt, result.json)",

@@ -8,7 +8,30 @@ from pathlib import Path
 import pytest
 import yaml
 
+from launchers.build_locks import (
+    FOREIGN_LOCK_S,
+    LockOwner,
+    NodeIdentity,
+    ObservedLock,
+    clear_stale_build_locks,
+    lock_verdict,
+    record_lock_owners,
+    this_node,
+)
 from launchers.local import build_launch_plan
+from launchers.node_share import (
+    DEFAULT_SLOT,
+    WorkerSlot,
+    cgroup_dirs,
+    cpu_allowance,
+    gpu_slice,
+    parse_cpu_max,
+    parse_slot,
+    read_cpu_allowance,
+    tasks_on_node,
+    visible_gpus,
+    worker_slot,
+)
 from launchers.slurm import sbatch_script
 from optimizer.cli import main
 from optimizer.errors import UserError
@@ -162,12 +185,23 @@ def test_multi_node_plan_uses_srun_and_c10d_rendezvous():
                              head_host="node07")
     assert plan.argv == (
         "py", "-m", "launchers.orphan_guard", "42",
-        "srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--export=ALL",
-        "--job-name=dsopt-trial-01234567",
+        "srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=64", "--kill-on-bad-exit=1",
+        "--export=ALL", "--job-name=dsopt-trial-01234567",
         "py", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
         "--rdzv_backend", "c10d", "--rdzv_endpoint", "node07:29500", "--rdzv_id", "0123456789abcdef",
         "-m", "launchers.trial_rank", "/t/p.json", "/t",
     )
+    assert plan.env["OMP_NUM_THREADS"] == "8"
+
+
+def test_multi_node_srun_takes_the_study_cpus_per_task():
+    """SLURM >= 22.05: srun no longer inherits --cpus-per-task (22.05 release notes), so the plan passes it."""
+    plan = build_launch_plan(python="py", ranks=8, cpu_ranks=False, master_port=1, plan_path=Path("/t/p.json"),
+                             out_dir=Path("/t"), base_env={}, pythonpath=["/repo"], cwd=Path("/repo"), cpu_count=4,
+                             launch_id="0123456789abcdef", extensions_dir=Path("/e"), nodes=2, head_host="n",
+                             cpus_per_task=32, gpus=("0", "1"))
+    assert "--cpus-per-task=32" in plan.argv and plan.env["OMP_NUM_THREADS"] == "4"
+    assert plan.env["CUDA_VISIBLE_DEVICES"] == "0,1"
 
 
 def test_multi_node_study_outside_slurm_is_refused(tmp_path, capsys, monkeypatch):
@@ -179,3 +213,198 @@ def test_multi_node_study_outside_slurm_is_refused(tmp_path, capsys, monkeypatch
     assert main(["trial", str(path)]) == 2
     err = capsys.readouterr().err
     assert "hardware.nodes" in err and "srun" in err
+
+
+# --- one node, several workers: GPU slices (launchers/node_share.py) ---
+
+EIGHT = tuple(str(i) for i in range(8))
+
+
+def test_gpu_slices_of_the_workers_on_a_node_are_disjoint():
+    slices = [gpu_slice(visible=EIGHT, gpus_per_trial=2, slot=WorkerSlot(index=k, workers_on_node=4, source="t"))
+              for k in range(4)]
+    assert slices == [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7")]
+    assert gpu_slice(visible=EIGHT, gpus_per_trial=8, slot=DEFAULT_SLOT) == EIGHT
+
+
+def test_gpu_slices_are_cut_from_an_existing_cuda_visible_devices():
+    visible = visible_gpus(cuda_visible="4,5, 6,7", device_count=4)
+    assert gpu_slice(visible=visible, gpus_per_trial=2, slot=parse_slot("1")) == ("6", "7")
+    uuids = visible_gpus(cuda_visible="GPU-aa,GPU-bb,bogus,GPU-cc", device_count=2)  # CUDA stops at 'bogus'
+    assert uuids == ("GPU-aa", "GPU-bb")
+    assert visible_gpus(cuda_visible=None, device_count=3) == ("0", "1", "2")
+    assert visible_gpus(cuda_visible="", device_count=0) == ()
+
+
+@pytest.mark.parametrize(
+    ("slot", "needle"),
+    [
+        (WorkerSlot(index=4, workers_on_node=None, source="--slot"), "--slot: 4: slot 4 needs visible GPUs 8..9"),
+        (WorkerSlot(index=0, workers_on_node=5, source="$SLURM_LOCALID"), "slices would overlap (room for 4"),
+    ],
+)
+def test_gpu_slices_past_the_node_or_overlapping_are_refused(slot, needle):
+    with pytest.raises(UserError) as err:
+        gpu_slice(visible=EIGHT, gpus_per_trial=2, slot=slot)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_slot_option_and_slurm_step_resolution():
+    assert parse_slot("2/4") == WorkerSlot(index=2, workers_on_node=4, source="--slot")
+    for bad in ("4/4", "-1", "x", "1/"):
+        with pytest.raises(ValueError, match="K"):
+            parse_slot(bad)
+    step = {"SLURM_STEP_ID": "0", "SLURM_LOCALID": "3", "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "2,4(x2)"}
+    assert worker_slot(explicit=None, env=step) == WorkerSlot(index=3, workers_on_node=4, source="$SLURM_LOCALID")
+    assert worker_slot(explicit=parse_slot("1"), env=step).index == 1
+    batch = {"SLURM_JOB_ID": "7", "SLURM_LOCALID": "0", "SLURM_ARRAY_TASK_ID": "3"}  # a job array's task
+    assert worker_slot(explicit=None, env=batch) == DEFAULT_SLOT
+    assert worker_slot(explicit=None, env={**step, "SLURM_GPUS_PER_TASK": "2"}) == DEFAULT_SLOT  # SLURM binds
+    assert tasks_on_node("4(x2),2", 2) == 2 and tasks_on_node("4(x2)", 2) is None and tasks_on_node("?", 0) is None
+
+
+def test_launch_plan_env_carries_the_gpu_slice_and_cpu_ranks_see_none():
+    common = {"python": "py", "ranks": 2, "master_port": 1, "plan_path": Path("p"), "out_dir": Path("o"),
+              "base_env": {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, "pythonpath": ["/r"], "cwd": Path("."),
+              "cpu_count": 8, "launch_id": "id", "extensions_dir": Path("/e"), "gpus": ("2", "3")}
+    assert build_launch_plan(cpu_ranks=False, **common).env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert build_launch_plan(cpu_ranks=True, **common).env["CUDA_VISIBLE_DEVICES"] == ""
+    assert build_launch_plan(cpu_ranks=False, **{**common, "gpus": None}).env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+
+
+def test_worker_slot_past_the_node_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    import torch
+
+    raw = yaml.safe_load(CLUSTER.read_text())
+    raw["hardware"] = {"accelerator": "cuda", "gpus_per_node": 2, "gpu_memory": "80 GB"}
+    path = tmp_path / "gpu.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    code = main(["worker", str(path), "--storage", f"journal:///{tmp_path}/j.log", "--slot", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--slot: 2: slot 2 needs visible GPUs 4..5; this node shows 4 (0,1,2,3)" in err
+
+
+# --- threads from the CPUs the process may use ---
+
+def test_cgroup_cpu_max_parser():
+    assert parse_cpu_max("max 100000\n") is None
+    assert parse_cpu_max("150000 100000") == 1.5
+    assert parse_cpu_max("400000 100000\n") == 4.0
+    for bad in ("", "abc 100000", "0 100000", "1 2 3"):
+        with pytest.raises(ValueError, match=r"cpu\.max"):
+            parse_cpu_max(bad)
+    assert cgroup_dirs("12:cpu:/x\n0::/slurm/job_7/step_0\n") == ["/slurm/job_7/step_0", "/slurm/job_7", "/slurm",
+                                                                  "/"]
+    assert cgroup_dirs("4:memory:/x\n") == []
+    assert cgroup_dirs("0::/\n") == ["/"]
+
+
+def test_cpu_allowance_is_affinity_capped_by_the_quota_rounded_up():
+    assert cpu_allowance(affinity=16, quotas=[]) == 16
+    assert cpu_allowance(affinity=16, quotas=[None, 1.5]) == 2
+    assert cpu_allowance(affinity=16, quotas=[8.0, 3.0]) == 3  # the tightest cgroup on the way up
+    assert cpu_allowance(affinity=4, quotas=[8.0]) == 4
+    assert cpu_allowance(affinity=1, quotas=[0.2]) == 1
+    import os
+
+    assert 1 <= read_cpu_allowance() <= len(os.sched_getaffinity(0))
+
+
+# --- JIT-build locks: only those provably orphaned on this node (launchers/build_locks.py) ---
+
+HERE = NodeIdentity(host="node01", boot_id="boot-a", pid_ns="pid:[1]")
+
+
+def _owner(**changes) -> LockOwner:
+    base = {"host": "node01", "boot_id": "boot-a", "pid_ns": "pid:[1]", "pid": 4242, "start_ticks": 777,
+            "lock_ino": 11, "lock_mtime_ns": 22}
+    return LockOwner(**{**base, **changes})
+
+
+def _lock(*, age_s: float = 5.0, busy: bool = False, owner: LockOwner | None = None,
+          start_now: int | None = None) -> ObservedLock:
+    return ObservedLock(age_s=age_s, ino=11, mtime_ns=22, busy_here=busy, owner=owner, owner_start_now=start_now)
+
+
+@pytest.mark.parametrize(
+    ("lock", "remove", "why"),
+    [
+        (_lock(busy=True, owner=_owner(), age_s=10 * FOREIGN_LOCK_S), False, "holds it or builds"),
+        (_lock(owner=_owner(), start_now=None), True, "is dead on this node"),
+        (_lock(owner=_owner(), start_now=999), True, "is dead on this node"),  # pid reused by another process
+        (_lock(owner=_owner(), start_now=777), False, "is alive on this node"),
+        (_lock(owner=_owner(boot_id="boot-0")), True, "rebooted"),
+        (_lock(owner=_owner(host="node02")), False, "owner pid 4242 on node02: it may be in use elsewhere"),
+        (_lock(owner=_owner(host="node02"), age_s=FOREIGN_LOCK_S + 1), True, "node02, and 3601 s old"),
+        (_lock(owner=_owner(pid_ns="pid:[2]"), start_now=None), False, "may be in use elsewhere"),  # a container
+        (_lock(owner=None, age_s=FOREIGN_LOCK_S - 1), False, "no recorded owner"),
+        (_lock(owner=None, age_s=FOREIGN_LOCK_S + 1), True, "no recorded owner, and"),
+        (_lock(owner=_owner(lock_ino=12), start_now=None), False, "no recorded owner"),  # record of an older lock
+    ],
+)
+def test_build_lock_rule(lock, remove, why):
+    verdict = lock_verdict(lock, node=HERE)
+    assert verdict.remove is remove and why in verdict.why
+
+
+def test_build_locks_recorded_while_held_are_removed_once_their_owner_dies(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    root = tmp_path / "ext"
+    ours, foreign, unknown = (root / "py311_cpu" / op / "lock" for op in ("fused_adam", "cpu_adam", "cpu_lion"))
+    for lock in (ours, foreign, unknown):
+        lock.parent.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; os.open(sys.argv[1], os.O_CREAT | "
+                               "os.O_EXCL); print('held', flush=True); time.sleep(60)", str(ours)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        foreign.touch()
+        unknown.touch()
+        stat = foreign.stat()
+        (foreign.parent / "lock.owner").write_text(
+            '{"host": "another-node", "boot_id": "b", "pid_ns": "p", "pid": 1, "start_ticks": 1, '
+            f'"lock_ino": {stat.st_ino}, "lock_mtime_ns": {stat.st_mtime_ns}}}')
+        assert record_lock_owners(root, pids=lambda: [holder.pid]) == 1
+        assert record_lock_owners(root, pids=lambda: [holder.pid]) == 0  # already recorded
+        assert clear_stale_build_locks(root) == []  # held open on this node
+    finally:
+        holder.kill()
+        holder.wait()
+    assert clear_stale_build_locks(root) == [ours]  # its owner is dead on this node
+    assert not (ours.parent / "lock.owner").exists() and foreign.exists() and unknown.exists()
+    old = time.time() - FOREIGN_LOCK_S - 60
+    os.utime(unknown, (old, old))
+    assert clear_stale_build_locks(root, node=this_node()) == [unknown]
+    assert foreign.exists()  # another node's, young: it may be building right now
+
+
+def test_a_killed_launch_removes_its_ranks_lock_but_not_another_nodes(tmp_path):
+    """The launch's rank holds ``fused_adam/lock`` when the timeout kills it: recorded while held, removed after.
+    ``cpu_adam/lock`` carries no record (another node may be building under it): it stays, as young as it is."""
+    import os
+    import sys
+    import uuid
+
+    from launchers.local import LAUNCH_ID_VAR, LaunchPlan, execute
+
+    root = tmp_path / "ext"
+    ours, theirs = (root / "py311_cpu" / op / "lock" for op in ("fused_adam", "cpu_adam"))
+    for lock in (ours, theirs):
+        lock.parent.mkdir(parents=True)
+    theirs.touch()
+    rank = "import os, sys, time; os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); time.sleep(60)"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root), LAUNCH_ID_VAR: uuid.uuid4().hex}
+    plan = LaunchPlan(argv=(sys.executable, "-c", rank, str(ours)), env=env, cwd=str(tmp_path))
+    run = execute(plan, timeout_s=2.5, log_path=tmp_path / "log.txt")
+    assert run.timed_out
+    assert not ours.exists() and not (ours.parent / "lock.owner").exists()
+    assert theirs.exists()

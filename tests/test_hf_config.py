@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,8 @@ from optimizer.ledger import evaluate
 from optimizer.specs import ActivationSource, MlpKind, NormKind, PositionKind, TransformerModel, baseline_candidate
 from optimizer.study_file import load_study
 from optimizer.transformer import parameter_count
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # The shape of Llama-2-7B's config.json (meta-llama/Llama-2-7b-hf), written out: nothing is downloaded.
 LLAMA_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
@@ -108,3 +111,23 @@ def test_a_missing_or_broken_config_file_exits_2(tmp_path, capsys):
     assert main(["ledger", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "config.json" in err and "not a JSON config" in err
+
+
+@pytest.mark.parametrize("dtype_key", ["torch_dtype", "dtype"])
+def test_the_candidates_dtype_wins_over_the_configs(tmp_path, dtype_key):
+    # Llama-2's config.json says "torch_dtype": "float16"; an FP32 candidate and the FP32 reference must still
+    # build (and train) in FP32, a bf16 candidate in bf16.
+    pytest.importorskip("transformers")
+    import torch
+
+    from launchers.hf_model import build_hf_model
+    from launchers.trial import model_dict
+
+    tiny = json.loads((ROOT / "studies" / "llama-tiny-cpu.config.json").read_text())
+    config = {**tiny, dtype_key: "float16"}
+    study = load_study(_study(tmp_path, config))  # the study accepts the key as transformers writes it
+    planned = model_dict(study.model)["hf_config"]  # what the ranks receive
+    assert planned[dtype_key] == "float16"
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build_hf_model(planned, attention="eager", checkpointing="none", dtype=dtype)
+        assert {p.dtype for p in model.parameters()} == {dtype}

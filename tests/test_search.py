@@ -9,10 +9,19 @@ from optimizer.errors import UserError
 from optimizer.knobs import OffloadDevice, ZeroStage
 from optimizer.ledger import evaluate
 from optimizer.pareto import feasible_front, pick_trial
-from optimizer.search import branches, candidate_key, distribution_params, sample_candidate
+from optimizer.search import (
+    DIRECTIONS,
+    TrialFailed,
+    branches,
+    candidate_key,
+    distribution_params,
+    make_objective,
+    sample_candidate,
+)
 from optimizer.specs import baseline_candidate
 from optimizer.storage import redact
 from optimizer.study_file import load_study
+from optimizer.trial_result import Outcome, RankMeasurement, TrialResult
 
 
 @pytest.fixture
@@ -72,3 +81,49 @@ def test_picks_on_the_feasible_front():
 def test_passwords_are_masked():
     assert redact("postgresql+psycopg://dsopt:s3cret@db.example:5432/x") == "postgresql+psycopg://dsopt:***@db.example:5432/x"
     assert redact("sqlite:////tmp/x.db") == "sqlite:////tmp/x.db"
+
+
+def _ok() -> TrialResult:
+    rank = RankMeasurement(rank=0, peak_allocated_bytes=1_000_000, peak_reserved_bytes=None, peak_rss_bytes=10**8,
+                           step_times_s=(0.1,), training_peak_allocated_bytes=900_000,
+                           init_peak_allocated_bytes=400_000)
+    return TrialResult(outcome=Outcome.OK, ranks=(rank,), losses=(5.0,), step_time_s=0.1, tokens_per_s=1000.0,
+                       loss_fidelity=0.0)
+
+
+def _run_twice(spec, outcomes):
+    """The same candidate sampled twice; the runner answers ``outcomes`` in turn."""
+    calls = []
+
+    def runner(candidate):
+        calls.append(candidate)
+        outcome = outcomes[len(calls) - 1]
+        return _ok() if outcome is Outcome.OK else TrialResult(outcome=outcome, message=f"{outcome} #{len(calls)}")
+
+    space = branches(spec)
+    study = optuna.create_study(directions=list(DIRECTIONS))
+    for _ in range(2):
+        study.enqueue_trial(distribution_params(baseline_candidate(spec.training), space))
+    study.optimize(make_objective(spec=spec, space=space, runner=runner), n_trials=2, catch=(TrialFailed,))
+    return study.get_trials(), calls
+
+
+def test_a_transient_crash_is_launched_again_once_then_the_result_is_reused(repo_root):
+    spec = load_study(repo_root / "studies" / "cpu-tiny.yaml")
+    assert spec.trial.retries == 1
+    trials, calls = _run_twice(spec, [Outcome.CRASH, Outcome.OK])
+    assert len(calls) == 2  # the crash, then the retry; the second trial reuses the first
+    first, second = trials
+    assert first.state is optuna.trial.TrialState.COMPLETE and first.user_attrs["attempts"] == 2
+    assert first.user_attrs["failed_attempts"][0]["outcome"] == "crash"
+    assert first.values[0] == 900_000  # the memory objective is training's peak (+ the reserve, 0 here)
+    assert second.user_attrs["reused_from"] == first.number
+
+
+@pytest.mark.parametrize("outcome", [Outcome.TIMEOUT, Outcome.OOM])
+def test_a_failure_that_stands_is_reused(repo_root, outcome):
+    spec = load_study(repo_root / "studies" / "cpu-tiny.yaml")
+    trials, calls = _run_twice(spec, [outcome] * 4)
+    assert len(calls) == (2 if outcome is Outcome.TIMEOUT else 1)  # an OOM is the candidate's: never retried
+    assert all(t.state is optuna.trial.TrialState.FAIL for t in trials)
+    assert trials[0].user_attrs["outcome"] == outcome.value and trials[1].user_attrs["reused_from"] == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import threading
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from launchers.cpu_memory import COUNT_FLAG, count_every_thread, start_cpu_profi
 from launchers.local import LAUNCH_ID_VAR, build_launch_plan
 from launchers.trial_rank import NonFiniteLoss, classify
 from launchers.workload import SyntheticTokens, recomputed_blocks
+from optimizer.host_oom import HostMemoryEvidence
 from optimizer.trial_result import Outcome, loss_fidelity, summarize
 
 
@@ -38,20 +40,96 @@ def test_gpu_plan_leaves_the_accelerator_alone():
     assert plan.env["OMP_NUM_THREADS"] == "4"
 
 
+CPU_ALLOCATOR_OOM = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "
+                                 "memory: you tried to allocate 1125899906842624 bytes. Error code 12 (Cannot "
+                                 "allocate memory)")  # c10/core/impl/alloc_cpu.cpp
+NCCL_ERROR = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, {what} (run with NCCL_DEBUG=INFO "
+              "for details), NCCL version 2.27.3\n{detail}\nLast error:\n{last}")  # c10d getNcclErrorDetailStr
+
+
+def _nccl(what: str, detail: str, last: str) -> RuntimeError:
+    return torch.distributed.DistBackendError(NCCL_ERROR.format(what=what, detail=detail, last=last))
+
+
+def _accelerator_error(text: str, code: int) -> RuntimeError:
+    """What C10_CUDA_CHECK raises from torch 2.8 (torch/csrc/Exceptions.cpp sets ``error_code``)."""
+    error = torch.AcceleratorError(text)
+    error.error_code = code
+    return error
+
+
+def _raised_by_pin_memory() -> RuntimeError:
+    def pin_memory(tensor):  # DeepSpeed accelerator/cuda_accelerator.py: ``return tensor.pin_memory()``
+        raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported")
+    try:
+        pin_memory(None)
+    except RuntimeError as error:
+        return error
+    raise AssertionError("unreachable")
+
+
+def _raised_from(cause: BaseException) -> RuntimeError:
+    try:
+        raise RuntimeError("the engine could not be set up") from cause
+    except RuntimeError as error:
+        return error
+
+
+NCCL_CUDA = "unhandled cuda error", "ncclUnhandledCudaError: Call to CUDA function failed."
+NCCL_SYSTEM = "unhandled system error", "ncclSystemError: System call (e.g. socket, malloc) or external library " \
+    "call failed or device error. "
+
+
 @pytest.mark.parametrize(
-    ("error", "kind"),
+    ("error", "kind", "cpu_ranks"),
     [
-        (ValueError("Type fp16 is not supported on your device."), "unsupported"),  # DeepSpeed engine.py
-        (RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
-                      "you tried to allocate 1125899906842624 bytes."), "oom"),
-        (torch.OutOfMemoryError("CUDA out of memory."), "oom"),
-        (NonFiniteLoss("step 2: loss nan"), "nan"),
-        (RuntimeError("something else"), "crash"),
-        (ValueError("bad value"), "crash"),
+        (ValueError("Type fp16 is not supported on your device."), "unsupported", True),  # DeepSpeed engine.py
+        (CPU_ALLOCATOR_OOM, "oom", True),  # CPU ranks: the host is the device
+        (CPU_ALLOCATOR_OOM, "oom_host", False),  # CUDA ranks: offloaded states on the host ran out
+        (torch.OutOfMemoryError("CUDA out of memory."), "oom", True),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                "79.10 GiB of which 1.2 GiB is free."), "oom", False),  # CUDACachingAllocator.cpp
+        (NonFiniteLoss("step 2: loss nan"), "nan", True),
+        (RuntimeError("something else"), "crash", True),
+        (ValueError("bad value"), "crash", True),
+        # cuBLAS handle / workspace allocation (ATen/cuda/Exceptions.h TORCH_CUDABLAS_CHECK)
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), "oom", False),
+        (RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle, opa, opb)`"),
+         "crash", False),
+        # C10_CUDA_CHECK: a RuntimeError before torch 2.8, torch.AcceleratorError with error_code after
+        (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), "oom",
+         False),
+        (_accelerator_error("CUDA error: out of memory", 2), "oom", False),  # cudaErrorMemoryAllocation
+        (_accelerator_error("CUDA error: an illegal memory access was encountered", 700), "crash", False),
+        (RuntimeError("CUDA driver error: out of memory"), "oom", False),  # c10/cuda/driver_api.h
+        (RuntimeError("cudaErrorMemoryAllocation: out of memory"), "oom", False),
+        # NCCL's last error after a CUDA allocation failed (checks.h CUDACHECK, cudawrap.h CUCHECK)
+        (_nccl(*NCCL_CUDA, "Cuda failure 'out of memory'"), "oom", False),
+        (_nccl(*NCCL_CUDA, "Cuda failure 2 'out of memory'"), "oom", False),
+        (_nccl(*NCCL_CUDA, "Cuda failure 1 'invalid argument'"), "crash", False),
+        # ... and after a host allocation failed (alloc.h ncclCalloc / ncclCudaHostCalloc, checks.h SYSCHECK)
+        (_nccl(*NCCL_SYSTEM, "Failed to malloc 8388608 bytes"), "oom_host", False),
+        (_nccl(*NCCL_CUDA, "Failed to CUDA host alloc 8388608 bytes"), "oom_host", False),
+        (_nccl(*NCCL_SYSTEM, "Call to posix_memalign failed: Cannot allocate memory"), "oom_host", False),
+        (_nccl(*NCCL_SYSTEM, "socketStartConnect: Connect to 10.0.0.2<43215> failed : Connection refused"), "crash",
+         False),
+        # pinned host memory: cudaHostAlloc fails with the device's text; where it was raised says host
+        (_raised_by_pin_memory(), "oom_host", False),
+        (MemoryError(), "oom_host", False),
+        (MemoryError(), "oom", True),
+        (OSError(errno.ENOMEM, "Cannot allocate memory"), "oom_host", False),  # fork / mmap: ENOMEM
+        (OSError(errno.ENOENT, "No such file or directory"), "crash", False),
+        (_raised_from(torch.OutOfMemoryError("CUDA out of memory.")), "oom", False),  # raise ... from the OOM
+        (_raised_from(ValueError("bad value")), "crash", False),
     ],
 )
-def test_classification_is_by_exception(error, kind):
-    assert classify(error) == kind
+def test_classification_is_by_exception(error, kind, cpu_ranks):
+    assert classify(error, cpu_ranks=cpu_ranks) == kind
+
+
+def test_classification_defaults_to_the_ranks_the_trial_runs_on(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # as launchers.local sets it for CPU ranks
+    assert classify(CPU_ALLOCATOR_OOM) == "oom"
 
 
 def test_cpu_live_tensor_peak_pairs_allocations():
@@ -112,6 +190,65 @@ def test_summarize_failures():
                      reference_losses=None, log_tail="t", wall_s=1).outcome is Outcome.CRASH
     assert summarize(rank_reports={}, world_size=2, returncode=None, timed_out=True, tokens_per_step=1,
                      reference_losses=None, log_tail="t", wall_s=1).outcome is Outcome.TIMEOUT
+
+
+GiB = 2**30
+NEAR = HostMemoryEvidence(oom_kills=0, oom_kills_source="/proc/vmstat", peak_used_bytes=31 * GiB,
+                          limit_bytes=32 * GiB, samples=40)
+"""Host memory at 97 % of its limit, no OOM kill counted."""
+FAR = HostMemoryEvidence(oom_kills=0, oom_kills_source="/proc/vmstat", peak_used_bytes=8 * GiB,
+                         limit_bytes=32 * GiB, samples=40)
+KILLED = HostMemoryEvidence(oom_kills=1, oom_kills_source="memory.events", peak_used_bytes=20 * GiB,
+                            limit_bytes=32 * GiB, samples=40)
+"""The kernel counted an OOM kill during the launch."""
+
+
+def _summarize_killed(reports, *, returncode, host):
+    return summarize(rank_reports=reports, world_size=2, returncode=returncode, timed_out=False, tokens_per_step=1,
+                     reference_losses=None, log_tail="t", wall_s=1, host_memory=host)
+
+
+def test_a_sigkill_with_host_memory_near_its_limit_is_oom_host():
+    result = _summarize_killed({}, returncode=-9, host=NEAR)
+    assert result.outcome is Outcome.OOM_HOST
+    assert "ranks without a report: [0, 1]" in result.message and "97%" in result.message
+    assert _summarize_killed({}, returncode=137, host=NEAR).outcome is Outcome.OOM_HOST  # a shell's 128 + 9
+
+
+def test_a_sigkill_without_memory_evidence_is_a_crash():
+    assert _summarize_killed({}, returncode=-9, host=FAR).outcome is Outcome.CRASH
+    assert _summarize_killed({}, returncode=-9, host=None).outcome is Outcome.CRASH
+    unreadable = HostMemoryEvidence(oom_kills=None)
+    assert _summarize_killed({}, returncode=-9, host=unreadable).outcome is Outcome.CRASH
+
+
+def test_the_kernels_oom_kill_count_makes_a_killed_rank_oom_host():
+    # torchrun exits 1 when the OOM killer SIGKILLs a rank (ChildFailedError), so the count decides
+    assert _summarize_killed({0: _report(0)}, returncode=1, host=KILLED).outcome is Outcome.OOM_HOST
+    assert _summarize_killed({0: _report(0)}, returncode=1, host=NEAR).outcome is Outcome.CRASH  # no signal seen
+    # the surviving peer crashed on the broken collective: the kill is still the cause
+    peer = {"rank": 0, "status": "crash", "error_type": "DistBackendError", "message": "Connection closed by peer"}
+    assert _summarize_killed({0: peer}, returncode=1, host=KILLED).outcome is Outcome.OOM_HOST
+    assert _summarize_killed({0: peer}, returncode=1, host=FAR).outcome is Outcome.CRASH
+    # a rank's own classified failure stands; every rank reported: nobody was killed
+    oom = {"rank": 0, "status": "oom", "error_type": "OutOfMemoryError", "message": "x"}
+    assert _summarize_killed({0: oom}, returncode=1, host=KILLED).outcome is Outcome.OOM
+    both = {0: _report(0), 1: _report(1)}
+    assert _summarize_killed(both, returncode=0, host=KILLED).outcome is Outcome.OK
+
+
+def test_a_launch_stopped_at_its_timeout_after_an_oom_kill_is_oom_host():
+    def timed_out(host):
+        return summarize(rank_reports={}, world_size=2, returncode=None, timed_out=True, tokens_per_step=1,
+                         reference_losses=None, log_tail="t", wall_s=1, host_memory=host).outcome
+
+    assert timed_out(KILLED) is Outcome.OOM_HOST  # the kill, not the hang that followed it, is the cause
+    assert timed_out(NEAR) is Outcome.TIMEOUT  # our own SIGKILLs at the timeout are not the kernel's
+
+
+def test_a_rank_reporting_a_host_allocation_failure_is_oom_host():
+    host = {"rank": 1, "status": "oom_host", "error_type": "RuntimeError", "message": "Cannot allocate memory"}
+    assert _summarize_killed({1: host}, returncode=1, host=None).outcome is Outcome.OOM_HOST
 
 
 def test_loss_fidelity():
@@ -192,7 +329,109 @@ def test_stale_build_locks_are_cleared_but_fresh_ones_kept(tmp_path):
     for lock in (stale, fresh):
         lock.parent.mkdir(parents=True)
         lock.touch()
-    old = time.time() - 3600
+    old = time.time() - 86400  # a day: past any rule for unrecorded locks
     os.utime(stale, (old, old))
     assert clear_stale_build_locks(tmp_path) == [stale]
     assert not stale.exists() and fresh.exists()
+
+
+def _tiny_study(repo_root, tmp_path):
+    import shutil
+
+    from optimizer.study_file import load_study
+
+    shutil.copy(repo_root / "studies" / "cpu-tiny.yaml", tmp_path / "cpu-tiny.yaml")
+    return load_study(tmp_path / "cpu-tiny.yaml")  # outputs go to tmp_path/cpu-tiny/
+
+
+def _fake_launch(monkeypatch, *, reports, returncode, evidence=None):
+    """Replace the launch (no ranks start): ``reports`` are written as the ranks' ``rank<r>.json``."""
+    import json
+
+    import launchers.trial as trial
+    from launchers.local import Execution
+
+    def execute(plan, *, timeout_s, log_path):
+        out_dir = Path(plan.argv[-1])  # launchers.trial_rank PLAN.json OUT_DIR
+        for rank, report in reports.items():
+            (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+        log_path.write_text("torchrun log\n")
+        return Execution(returncode=returncode, timed_out=False, wall_s=0.5)
+
+    monkeypatch.setattr(trial, "execute", execute)
+    if evidence is not None:
+        class Watch:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return None
+
+            def evidence(self):
+                return evidence
+
+        monkeypatch.setattr(trial, "HostWatch", Watch)
+
+
+def test_result_json_carries_the_versions_and_the_host_memory_seen(repo_root, tmp_path, monkeypatch):
+    import json
+
+    from launchers.trial import run_trial
+    from optimizer.specs import baseline_candidate
+    from optimizer.versions import installed_versions
+
+    study = _tiny_study(repo_root, tmp_path)
+    _fake_launch(monkeypatch, reports={0: _report(0, losses=[2.0, 1.9, 1.8, 1.7, 1.6]),
+                                       1: _report(1, losses=[2.0, 1.9, 1.8, 1.7, 1.6])}, returncode=0)
+    result = run_trial(study=study, candidate=baseline_candidate(study.training), trial_dir=tmp_path / "t")
+    assert result.outcome is Outcome.OK
+    data = json.loads((tmp_path / "t" / "result.json").read_text())
+    assert data["versions"] == installed_versions()
+    assert set(data["versions"]) == {"torch", "deepspeed", "transformers", "dsopt"}
+    assert data["versions"]["torch"] == torch.__version__
+    assert data["host_memory"]["samples"] >= 1  # the real watch ran around the (fake) launch
+
+
+def test_a_launch_the_oom_killer_ended_is_recorded_as_oom_host(repo_root, tmp_path, monkeypatch):
+    import json
+
+    from launchers.trial import run_trial
+    from optimizer.specs import baseline_candidate
+
+    study = _tiny_study(repo_root, tmp_path)
+    _fake_launch(monkeypatch, reports={}, returncode=-9, evidence=NEAR)
+    result = run_trial(study=study, candidate=baseline_candidate(study.training), trial_dir=tmp_path / "t")
+    assert result.outcome is Outcome.OOM_HOST
+    data = json.loads((tmp_path / "t" / "result.json").read_text())
+    assert data["outcome"] == "oom_host" and data["host_memory"]["peak_used_bytes"] == 31 * GiB
+
+
+def test_a_reference_cached_under_other_versions_is_run_again(repo_root, tmp_path, monkeypatch):
+    import json
+
+    import launchers.trial as trial
+    from optimizer.trial_result import TrialResult
+    from optimizer.versions import installed_versions
+
+    study = _tiny_study(repo_root, tmp_path)
+    current = installed_versions()
+    other = {**current, "deepspeed": "0.16.0"}
+    assert trial.reference_key(study, versions=current) == trial.reference_key(study)
+    assert trial.reference_key(study, versions=other) != trial.reference_key(study)
+    assert trial.reference_key(study, versions={**current, "torch": "2.5.1"}) != trial.reference_key(study)
+    runs = []
+
+    def run_trial(**kwargs):  # the reference launch, without ranks
+        runs.append(kwargs["candidate"])
+        return TrialResult(outcome=Outcome.OK, losses=(2.0, 1.5))
+
+    monkeypatch.setattr(trial, "run_trial", run_trial)
+    cache = study.output_dir / "reference.json"
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({"key": trial.reference_key(study, versions=other), "versions": other,
+                                 "losses": [9.0, 9.0]}))
+    assert trial.reference_losses(study) == [2.0, 1.5]  # not the stale 9.0s
+    assert len(runs) == 1
+    stored = json.loads(cache.read_text())
+    assert stored["key"] == trial.reference_key(study) and stored["versions"] == current
+    assert trial.reference_losses(study) == [2.0, 1.5] and len(runs) == 1  # now served from the cache
