@@ -19,8 +19,10 @@ A password in a URL is never printed or written: :func:`redact` masks it in ever
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
+from collections.abc import Iterator
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -80,12 +82,45 @@ def open_storage(url: str, *, workers: WorkerSettings) -> Any:
         with warnings.catch_warnings():  # the callback is marked experimental; stable in practice since 2.8
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             callback = RetryHeartbeatStaleTrialCallback(max_retry=workers.max_retry)
-            return RDBStorage(rdb_url, heartbeat_interval=workers.heartbeat_s, grace_period=workers.grace_s,
-                              heartbeat_stale_trial_callback=callback, engine_kwargs={"pool_pre_ping": True})
+            with _schema_lock(rdb_url):
+                return RDBStorage(rdb_url, heartbeat_interval=workers.heartbeat_s, grace_period=workers.grace_s,
+                                  heartbeat_stale_trial_callback=callback, engine_kwargs={"pool_pre_ping": True})
     except UserError:
         raise
     except Exception as err:  # sqlalchemy / psycopg / journal errors differ by backend
         raise storage_error(url, err) from None
+
+
+SCHEMA_LOCK_KEY = 0x64736F7074
+"""The PostgreSQL advisory-lock key (``'dsopt'`` in ASCII) held while Optuna creates or checks its tables."""
+
+
+@contextlib.contextmanager
+def _schema_lock(rdb_url: str) -> Iterator[None]:
+    """Hold a session-level PostgreSQL advisory lock while Optuna's ``RDBStorage`` is constructed.
+
+    ``RDBStorage.__init__`` runs SQLAlchemy's ``metadata.create_all`` (optuna/storages/_rdb/storage.py), which
+    checks for each table and then creates the missing ones. Workers started together on a fresh database (a
+    SLURM array, several ``dsopt worker`` by hand) race between the check and the ``CREATE TABLE``, and the
+    loser fails with ``duplicate key value violates unique constraint "pg_type_typname_nsp_index"`` (PostgreSQL
+    guards its catalogue with unique indexes, not with locks). Under this lock the first worker creates the
+    tables and the others find them. ``pg_advisory_lock`` waits; the lock ends with the connection.
+    """
+    import sqlalchemy
+    from sqlalchemy.pool import NullPool
+
+    engine = sqlalchemy.create_engine(rdb_url, poolclass=NullPool)
+    try:
+        with engine.connect() as connection:
+            connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
+            connection.commit()
+            try:
+                yield
+            finally:
+                connection.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:key)"), {"key": SCHEMA_LOCK_KEY})
+                connection.commit()
+    finally:
+        engine.dispose()
 
 
 def storage_error(storage: str, err: Exception) -> UserError:
