@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 
@@ -70,6 +71,26 @@ def oom_workload(spec, sequence_length, seed, checkpointing):
     def batch_fn(step, indices):
         if step == FAIL_AT_STEP:
             torch.empty(1 << 50, dtype=torch.uint8)  # 1 PiB: the CPU allocator refuses
+        return data(step, indices)
+
+    return model, batch_fn
+
+
+CRASHED_ONCE = "crashed_once.marker"
+"""Left beside this module by :func:`crash_once_workload`'s first crash."""
+
+
+def crash_once_workload(spec, sequence_length, seed, checkpointing):
+    """A transient crash: a 16-bit trial's rank 1 is SIGKILLed at step 2 the first time only (the FP32
+    reference and every later launch run clean)."""
+    model, data = _base(spec, sequence_length, seed, checkpointing)
+    marker = Path(__file__).with_name(CRASHED_ONCE)
+    sixteen_bit = torch.get_default_dtype() != torch.float32  # the device construction builds in the training dtype
+
+    def batch_fn(step, indices):
+        if sixteen_bit and step == FAIL_AT_STEP and int(os.environ.get("RANK", "0")) == 1 and not marker.exists():
+            marker.write_text("crashed\n")
+            os.kill(os.getpid(), signal.SIGKILL)
         return data(step, indices)
 
     return model, batch_fn

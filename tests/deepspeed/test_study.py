@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,3 +151,28 @@ def test_sigint_then_resume_loses_and_repeats_nothing(tmp_path):
     assert all(key in keys_after for key in completed_before)  # nothing completed was lost
     measured = [t.user_attrs["candidate_key"] for t in complete if "reused_from" not in t.user_attrs]
     assert len(measured) == len(set(measured))  # nothing was launched twice
+
+
+def test_a_transient_crash_is_retried_once_and_the_result_reused(tmp_path):
+    # A real study whose one bf16 candidate's rank 1 is SIGKILLed on its first launch only (a co-tenant, an NCCL
+    # hiccup): the trial launches again (trial.retries: 1) and completes; the next sample of the candidate reuses it.
+    shutil.copy(ROOT / "tests" / "deepspeed" / "faulty_workloads.py", tmp_path / "faulty_workloads.py")
+    raw = yaml.safe_load((ROOT / "studies" / "cpu-tiny.yaml").read_text())
+    raw["name"] = "retry"
+    raw["model"]["entry_point"] = "faulty_workloads:crash_once_workload"
+    raw["search_space"] = {"knobs": {"precision": ["bf16"]}}
+    path = tmp_path / "retry.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    spec = load_study(path)
+    study = run_study(spec=spec, storage=default_storage(spec), n_trials=2, timeout_s=None)
+    assert (tmp_path / "crashed_once.marker").exists()  # the first launch did crash
+    launched = [t for t in study.get_trials() if "reused_from" not in t.user_attrs and "attempts" in t.user_attrs]
+    assert len(launched) == 1, [t.user_attrs for t in study.get_trials()]
+    trial = launched[0]
+    assert trial.state is TrialState.COMPLETE and trial.user_attrs["attempts"] == 2
+    assert trial.user_attrs["failed_attempts"][0]["outcome"] == "crash"
+    # every other trial of the one candidate reused it (the study may also stop once the space is measured)
+    assert all(t.user_attrs.get("reused_from") == trial.number for t in study.get_trials() if t.number != trial.number)
+    launches = [json.loads(line) for line in (spec.output_dir / "launches.jsonl").read_text().splitlines()]
+    ends = [r["outcome"] for r in launches if r["event"] == "end" and r["candidate"]["precision"] == "bf16"]
+    assert ends == ["crash", "ok"]  # two launches of the candidate, no more
