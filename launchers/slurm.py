@@ -27,7 +27,14 @@ import optuna
 from optimizer.coordination import WORKER_ATTR, now_utc
 from optimizer.errors import UserError
 from optimizer.specs import Accelerator
-from optimizer.storage import allows_parallel_workers, open_storage, redact, storage_error
+from optimizer.storage import (
+    StorageKind,
+    allows_parallel_workers,
+    open_storage,
+    redact,
+    storage_error,
+    storage_kind,
+)
 from optimizer.study_file import StudySpec
 
 STORAGE_VAR = "DSOPT_STORAGE"
@@ -178,7 +185,11 @@ def job_lines(spec: StudySpec) -> list[str]:
 
 
 def load_for_status(spec: StudySpec, storage: str) -> optuna.Study:
-    """The shared study for ``dsopt slurm status``; UserError if it is not there (yet)."""
+    """The shared study for ``dsopt slurm status``; UserError if it is not there (yet). Reading never creates a
+    journal file (Optuna's ``JournalFileBackend`` would make an empty one)."""
+    if storage_kind(storage) is StorageKind.JOURNAL and not Path(storage.removeprefix("journal://")).exists():
+        raise UserError(source="--storage", key=redact(storage), why="no such journal file (reading never creates "
+                        "one; the first worker does)")
     try:
         return optuna.load_study(study_name=spec.name, storage=open_storage(storage, workers=spec.workers))
     except KeyError:

@@ -66,6 +66,19 @@ def _study(path: str) -> StudySpec:
     return study
 
 
+def _invalid_candidate(study: StudySpec, candidate: Candidate, reasons: Sequence[str], *,
+                       sets: Sequence[str]) -> UserError:
+    """The one-line error for a candidate the study cannot run: blamed on ``--set`` when the user gave knobs,
+    on the study file when the baseline the unset knobs fall back to is what the study rules out (e.g.
+    ``training.model_init: zero_init`` needs stage 3, or fp32 is not in ``hardware.supported_precisions``)."""
+    knobs = " ".join(f"{k}={v}" for k, v in candidate.knobs().items())
+    if sets:
+        return UserError(source="--set", key=knobs, why="invalid combination: " + "; ".join(reasons))
+    return UserError(source=str(study.path), key="baseline", why=f"the default candidate ({knobs}) is invalid for "
+                     f"this study: {'; '.join(reasons)}; choose one with --set KNOB=VALUE (e.g. --set zero_stage=3), "
+                     "or list the valid ones with --all")
+
+
 def _ledger(args: argparse.Namespace) -> int:
     warn_deepspeed_mismatch()  # the ledger is one DeepSpeed release's allocations (optimizer/versions.py)
     study = _study(args.study)
@@ -90,17 +103,20 @@ def _ledger(args: argparse.Namespace) -> int:
     candidate = _parse_sets(args.set, base=base)
     verdict = evaluate(candidate=candidate, **spec)
     if verdict.ledger is None:
-        knobs = " ".join(f"{k}={v}" for k, v in candidate.knobs().items())
-        raise UserError(source="--set", key=knobs, why="invalid combination: " + "; ".join(verdict.invalid_reasons))
+        raise _invalid_candidate(study, candidate, verdict.invalid_reasons, sets=args.set)
     speed = _speed(study, candidate)
+    construction = study.training.construction(candidate.zero_stage)
     if args.json:
         out = ledger_json(verdict.ledger)
         out["study"] = study.name
         out["parameters"] = _psi(study)
         out["throughput"] = _speed_json(speed)
+        out["construction"] = {"construction": str(construction), "model_init": str(study.training.model_init)}
         print(json.dumps(out, indent=2))
     else:
         print(ledger_table(verdict.ledger, study=study.name, psi=_psi(study)))
+        print(f"\nmodel construction priced in the init phase: {construction} "
+              f"(training.model_init: {study.training.model_init})")
         print("\n".join(["", *throughput_lines(speed)]))
     return 0
 
@@ -147,8 +163,7 @@ def _trial(args: argparse.Namespace) -> int:
     spec = {"model": study.model, "hardware": study.hardware, "training": study.training}
     verdict = evaluate(candidate=candidate, **spec)
     if verdict.ledger is None:
-        knobs = " ".join(f"{k}={v}" for k, v in candidate.knobs().items())
-        raise UserError(source="--set", key=knobs, why="invalid combination: " + "; ".join(verdict.invalid_reasons))
+        raise _invalid_candidate(study, candidate, verdict.invalid_reasons, sets=args.set)
     if isinstance(study.model, SeedModel):
         raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to run; "
                         "trials need model.kind: transformer")

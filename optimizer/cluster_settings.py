@@ -89,6 +89,13 @@ class SlurmSettings:
     """The workers' Python interpreter; None: the one running ``dsopt slurm submit``."""
 
     def __post_init__(self) -> None:
+        for name in ("partition", "account", "time", "mem"):  # each becomes one '#SBATCH --NAME=VALUE' line
+            value = getattr(self, name)
+            if value is not None and (not value or any(c.isspace() or not c.isprintable() for c in value)):
+                raise ValueError(f"{name} must be one word with no spaces or line breaks (it becomes "
+                                 f"'#SBATCH --{name}=...'), got {value!r}")
+        if self.python is not None and (not self.python or not self.python.isprintable()):
+            raise ValueError(f"python must be an interpreter path on one line, got {self.python!r}")
         for option in self.sbatch:
             if not option.startswith("--") or "\n" in option:
                 raise ValueError(f"sbatch expects '--option[=value]' items, got {option!r}")

@@ -85,6 +85,25 @@ def test_user_mistakes_exit_2_with_one_line(capsys, seed_study_path, argv, needl
     assert needle in err
 
 
+def test_a_baseline_the_study_rules_out_is_blamed_on_the_study_not_on_set(capsys, repo_root, tmp_path):
+    # model_init: zero_init needs stage 3, so the default (stage-0) candidate is invalid: without --set, the error
+    # names the study file and says what to do; with --set zero_stage=3 the same study prints its ledger.
+    import yaml
+
+    raw = yaml.safe_load((repo_root / "studies" / "cpu-tiny.yaml").read_text())
+    raw["training"]["model_init"] = "zero_init"
+    raw["search_space"] = {"knobs": {"zero_stage": [3]}}
+    path = tmp_path / "zero-init.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    code, out, err = run(capsys, "ledger", str(path))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert str(path) in err and "baseline" in err and "--set" in err and "zero_init" in err
+    assert not err.startswith("dsopt: --set")
+    code, out, _ = run(capsys, "ledger", str(path), "--set", "zero_stage=3")
+    assert code == 0
+    assert "model construction priced in the init phase: zero_init (training.model_init: zero_init)" in out
+
+
 def test_console_script_exit_code(seed_study_path, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {kind: seed\n")

@@ -82,6 +82,10 @@ def test_deadline_is_read_from_yaml_timestamps(tmp_path):
     ({"workers": {"heartbeat_s": 10, "grace_s": 5}}, "workers.grace_s", "larger than heartbeat_s"),
     ({"slurm": {"sbatch": ["qos=normal"]}}, "slurm.sbatch", "--option"),
     ({"slurm": {"partiton": "gpu"}}, "slurm.partiton", "unknown key"),
+    ({"slurm": {"partition": "gpu\necho INJECTED"}}, "slurm.partition", "one word"),  # a line of its own in the script
+    ({"slurm": {"account": "a b"}}, "slurm.account", "one word"),
+    ({"slurm": {"time": ""}}, "slurm.time", "one word"),
+    ({"slurm": {"python": "python3\nrm -rf ~"}}, "slurm.python", "one line"),
 ])
 def test_bad_cluster_sections_name_the_key(tmp_path, sections, key, needle):
     with pytest.raises(UserError) as err:
@@ -116,6 +120,15 @@ def test_journal_url_needs_an_existing_folder(tmp_path, capsys):
     path = _variant(tmp_path)
     assert main(["worker", str(path), "--storage", "journal:///no/such/folder/s.log"]) == 2
     assert "existing folder" in capsys.readouterr().err
+
+
+def test_slurm_status_on_a_missing_journal_creates_nothing(tmp_path, capsys):
+    path = _variant(tmp_path)
+    journal = tmp_path / "none.log"
+    assert main(["slurm", "status", str(path), "--storage", f"journal://{journal}"]) == 2
+    err = capsys.readouterr().err
+    assert "no such journal file" in err and len(err.strip().splitlines()) == 1
+    assert not journal.exists()
 
 
 def test_unreachable_postgres_is_one_line_without_the_password(tmp_path, capsys):
