@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from launchers.json_cache import JsonFileCache
 from optimizer.constraints import invalid_reasons
 from optimizer.knobs import Precision, parse_checkpointing, with_knobs
 from optimizer.specs import ActivationSource, TracedActivation, TransformerModel, baseline_candidate
@@ -229,23 +229,10 @@ def _failure(err: Exception) -> TraceFailure:
     return TraceFailure(op=name, message=first[:300])
 
 
-class TraceCache:
+class TraceCache(JsonFileCache):
     """``studies/NAME/traces.json``, read once; each new trace is written at once, so an interrupted study keeps
     what it traced. Failures are cached too, with their reason; an unreadable or older entry is traced again.
     Without a path nothing is stored."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-        self.data: dict[str, Any] = {}
-        if path is not None and path.exists():
-            try:
-                loaded = json.loads(path.read_text())
-                self.data = loaded if isinstance(loaded, dict) else {}
-            except ValueError:
-                self.data = {}
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.data
 
     def trace(self, **kwargs: Any) -> TraceResult | TraceFailure:
         """:func:`trace` with these arguments, from the cache when it holds them."""
@@ -257,12 +244,7 @@ class TraceCache:
             except (TypeError, KeyError):  # written by an older format: trace again
                 pass
         result = trace(**kwargs)
-        self.data[key] = {"ok": isinstance(result, TraceResult), "result": asdict(result)}
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")  # workers never share a tmp
-            tmp.write_text(json.dumps(self.data, indent=1) + "\n")
-            tmp.replace(self.path)
+        self.store(key, {"ok": isinstance(result, TraceResult), "result": asdict(result)}, indent=1)
         return result
 
 

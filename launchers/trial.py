@@ -65,7 +65,7 @@ def candidate_slug(candidate: Candidate) -> str:
     return "-".join(parts)
 
 
-NOT_THE_MODEL = ("activations", "traced_activations")
+NOT_THE_MODEL = ("activations", "traced_activations", "inventory")
 """Spec fields that say how the ledger estimates, not what the ranks build."""
 
 

@@ -56,9 +56,14 @@ def _psi(study: StudySpec) -> int:
 
 
 def _study(path: str) -> StudySpec:
-    """The study file, with its model traced when it says ``activations: trace`` (cached; a failed trace warns
-    on stderr and leaves the formula in place)."""
+    """The study file, with the parameter inventory of a ``transformers`` or entry-point model (built on fake
+    tensors, cached; one warning and the shape's layout when it cannot be built) and its model traced when it
+    says ``activations: trace`` (cached; a failed trace warns on stderr and leaves the formula in place)."""
     study = load_study(path)
+    if isinstance(study.model, TransformerModel) and (study.model.hf_config or study.model.entry_point):
+        from launchers.inventory import with_inventory
+
+        study = with_inventory(study)
     if isinstance(study.model, TransformerModel) and study.model.activations is ActivationSource.TRACE:
         from launchers.trace import with_traced_activations
 
@@ -112,9 +117,15 @@ def _ledger(args: argparse.Namespace) -> int:
         out["parameters"] = _psi(study)
         out["throughput"] = _speed_json(speed)
         out["construction"] = {"construction": str(construction), "model_init": str(study.training.model_init)}
+        out["inventory"] = _inventory_json(study)
         print(json.dumps(out, indent=2))
     else:
         print(ledger_table(verdict.ledger, study=study.name, psi=_psi(study)))
+        inventory = study.model.inventory if isinstance(study.model, TransformerModel) else None
+        print("\n".join(["", *(inventory.summary_lines() if inventory else [
+            "Parameters: from the shape's layout (a study given by its shape, or a model that could not be built "
+            "on fake tensors)" if isinstance(study.model, TransformerModel) else "Parameters: as the study "
+            "states them (seed mode)"])]))
         print(f"\nmodel construction priced in the init phase: {construction} "
               f"(training.model_init: {study.training.model_init})")
         print("\n".join(["", *throughput_lines(speed)]))
@@ -133,6 +144,19 @@ def _ledger_calibrated(study: StudySpec, args: argparse.Namespace) -> int:
     models = study_models(spec=study, trials=trials, base=baseline_candidate(study.training))
     print(calibration_table(spec=study, trials=trials, models=models))
     return 0
+
+
+def _inventory_json(study: StudySpec) -> dict[str, object] | None:
+    """The parameter inventory's summary for ``--json`` (None: the shape's layout or seed mode)."""
+    inventory = study.model.inventory if isinstance(study.model, TransformerModel) else None
+    if inventory is None:
+        return None
+    name, largest = inventory.largest_module()
+    return {"source": inventory.source, "model_class": inventory.model_class, "parameters": inventory.parameters,
+            "tensors": len(inventory.tensors), "largest_module": {"name": name, "elements": largest},
+            "by_module_type": [{"module_type": t, "tensors": n, "elements": e}
+                               for t, n, e in inventory.by_module_type()],
+            "tied": [list(group) for group in inventory.tied]}
 
 
 def _speed(study: StudySpec, candidate: Candidate) -> StepTime | str:
@@ -335,10 +359,16 @@ def _trace(args: argparse.Namespace) -> int:
     study = load_study(args.study)
     if isinstance(study.model, SeedModel):
         raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to trace")
+    if study.model.hf_config or study.model.entry_point:
+        from launchers.inventory import with_inventory
+
+        study = with_inventory(study)
     rows = trace_rows(study=study, cache=study.output_dir / "traces.json")
     if args.json:
-        print(json.dumps({"study": study.name, "rows": rows}, indent=2))
+        print(json.dumps({"study": study.name, "inventory": _inventory_json(study), "rows": rows}, indent=2))
         return 0
+    if study.model.inventory is not None:
+        print("\n".join([*study.model.inventory.summary_lines(), ""]))
     print(f"study {study.name}: one micro-batch ({study.training.micro_batch_size} x "
           f"{study.training.sequence_length} tokens) forward + backward on fake tensors; MB = 10^6 bytes")
     print("peak: high-water mark of activations + temporaries (traced) vs Korthikanti's stored + one recomputed "

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from optimizer.inventory import ParameterInventory
 from optimizer.knobs import (
     Candidate,
     Checkpointing,
@@ -202,6 +203,10 @@ class TransformerModel:
     """Where the ledger's activation bytes come from."""
     traced_activations: tuple[TracedActivation, ...] = ()
     """Filled by :func:`launchers.trace.with_traced_activations` when ``activations`` is ``trace``."""
+    inventory: ParameterInventory | None = None
+    """Every parameter as the model's own code builds it (:mod:`optimizer.inventory`), filled by
+    :func:`launchers.inventory.with_inventory` for ``hf_config`` and ``entry_point`` models; when set, the
+    ledger's parameter counts come from it instead of the shape's layout."""
 
     def __post_init__(self) -> None:
         _coerce_enums(self, attention=AttentionKind, mlp=MlpKind, norm=NormKind, position_embedding=PositionKind,

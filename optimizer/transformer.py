@@ -45,14 +45,22 @@ class ParameterTensor:
 
 @lru_cache(maxsize=64)
 def parameter_tensors(model: TransformerModel) -> tuple[ParameterTensor, ...]:
-    """Every trainable tensor, laid out as GPT-2 (Radford et al. 2019) and Llama (Touvron et al. 2023)
-    are in Hugging Face ``transformers``. Cached: specs are frozen.
+    """Every trainable tensor: the model's parameter inventory when it has one (a ``transformers`` config or an
+    entry point, built on the meta device), else laid out as GPT-2 (Radford et al. 2019) and Llama (Touvron et
+    al. 2023) are in Hugging Face ``transformers``. Cached: specs are frozen.
 
     Per block: attention Q and O (h·h each) and K, V (h·kv·d each, d = h/a) with optional biases;
     MLP 2·h·f (GELU: fc, proj) or 3·h·f (SwiGLU: gate, up, down) with optional biases; two norms
     (LayerNorm: weight and bias of h; RMSNorm: weight). Learned positions add ``max_positions``·h;
     an untied LM head adds V·h.
     """
+    if model.inventory is not None:  # the model as its code builds it (optimizer/inventory.py)
+        return tuple(ParameterTensor(module=t.module, numel=t.numel) for t in model.inventory.tensors)
+    return layout_tensors(model)
+
+
+def layout_tensors(model: TransformerModel) -> tuple[ParameterTensor, ...]:
+    """The hand layout of :func:`parameter_tensors` from the shape alone (GPT-2/Llama blocks)."""
     h, f, V = model.hidden_size, model.ffn_size, model.vocab_size
     kv = model.kv_heads * model.head_dim
     out = [ParameterTensor(module="embed_tokens", numel=V * h)]
