@@ -22,6 +22,8 @@ with ``yaml.safe_load``. This module is the only place the study's YAML is touch
 from __future__ import annotations
 
 import json
+import math
+import re
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -176,10 +178,21 @@ def _bool(value: Any) -> bool:
     return value
 
 
+_YAML12_FLOAT = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
+"""A decimal number as YAML 1.2 writes it. PyYAML follows YAML 1.1, whose floats need a dot and a signed
+exponent, so ``1e-4`` and ``3e-3`` arrive as strings; people write them, and they mean the number."""
+
+
 def _fraction(value: Any) -> float:
+    """A finite real number: an int, a float, or a string that is a YAML 1.2 decimal (``1e-4``)."""
+    if isinstance(value, str) and _YAML12_FLOAT.fullmatch(value.strip()):
+        value = float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"expected a number, got {value!r}")
-    return float(value)
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return number
 
 
 def _enum(kind: type[T]) -> Callable[[Any], T]:
@@ -264,8 +277,10 @@ def _hf_shape(section: _Section, *, study_dir: Path) -> dict[str, Any]:
     if clash is not None:
         raise section.error(clash, "comes from hf_config; give one or the other")
     value = section.get("hf_config", lambda v: v)
-    if isinstance(value, Mapping):
-        config, source, prefix = dict(value), section.source, section.full_key("hf_config") + "."
+    if isinstance(value, Mapping):  # YAML 1.1 reads `rms_norm_eps: 1e-6` as a string: JSON (and the user) mean 1e-6
+        config = {k: float(v) if isinstance(v, str) and _YAML12_FLOAT.fullmatch(v.strip()) else v
+                  for k, v in value.items()}
+        source, prefix = section.source, section.full_key("hf_config") + "."
     elif isinstance(value, str):
         path = Path(value) if Path(value).is_absolute() else study_dir / value
         if not path.is_file():

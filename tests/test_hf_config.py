@@ -69,6 +69,14 @@ def test_an_inline_config_is_the_same_model(tmp_path):
     assert load_study(_study(tmp_path, LLAMA_7B, inline=True)).model == load_study(_study(tmp_path, LLAMA_7B)).model
 
 
+def test_an_inline_yaml_1_1_exponent_is_the_number_json_means(tmp_path):
+    path = tmp_path / "study.yaml"
+    inline = json.dumps(LLAMA_7B).replace("}", ', "rms_norm_eps": 1e-6}')  # JSON in YAML: PyYAML reads a string
+    path.write_text(textwrap.dedent(STUDY).replace("{config}", inline))
+    config = json.loads(load_study(path).model.hf_config)
+    assert config["rms_norm_eps"] == 1e-6 and isinstance(config["rms_norm_eps"], float)
+
+
 def test_selective_checkpointing_is_invalid_for_a_transformers_model(tmp_path):
     study = load_study(_study(tmp_path, LLAMA_7B))
     candidate = with_knobs(baseline_candidate(study.training), {"checkpointing": "selective"})

@@ -133,3 +133,31 @@ def test_cli_bad_study_exits_2_with_one_line(tmp_path, capsys):
 def test_cli_missing_file_exits_2(tmp_path, capsys):
     assert main(["ledger", str(tmp_path / "absent.yaml")]) == 2
     assert "study file not found" in capsys.readouterr().err
+
+
+def test_the_readme_study_example_loads_as_written(tmp_path, repo_root):
+    # The README's annotated study file, as a user would copy it: `1e-4` (a string to YAML 1.1) means the number.
+    readme = (repo_root / "README.md").read_text()
+    block = readme.split("# studies/NAME.yaml — read with yaml.safe_load; every key is checked\n", 1)[1]
+    block = block.split("```", 1)[0]
+    (tmp_path / "search_spaces").mkdir()
+    (tmp_path / "search_spaces" / "default.yaml").write_text((repo_root / "search_spaces" / "default.yaml").read_text())
+    (tmp_path / "studies").mkdir()
+    study = load_study(_write(tmp_path / "studies", block))
+    assert dict(study.trial.fidelity_tolerance)[Precision.FP32] == 1e-4
+    assert dict(study.trial.fidelity_tolerance)[Precision.BF16] == 2e-2
+
+
+@pytest.mark.parametrize(("text", "number"), [("1e-4", 1e-4), ("3e-3", 3e-3), ("1E5", 1e5), ("+2.5e-1", 0.25),
+                                               (".5", 0.5)])
+def test_numbers_written_as_yaml_1_2_decimals_are_numbers(tmp_path, text, number):
+    path = _write(tmp_path, GOOD.replace("  sequence_length: 32\n", f"  sequence_length: 32\n  learning_rate: {text}\n"))
+    assert load_study(path).training.learning_rate == number
+
+
+@pytest.mark.parametrize("text", [".inf", "-.inf", ".nan", "1e400", "'1e-4x'", "'one'"])
+def test_non_finite_or_non_numbers_are_refused_naming_the_key(tmp_path, text):
+    path = _write(tmp_path, GOOD.replace("  sequence_length: 32\n", f"  sequence_length: 32\n  learning_rate: {text}\n"))
+    with pytest.raises(UserError) as err:
+        load_study(path)
+    assert err.value.key == "training.learning_rate"
