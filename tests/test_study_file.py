@@ -148,16 +148,20 @@ def test_the_readme_study_example_loads_as_written(tmp_path, repo_root):
     assert dict(study.trial.fidelity_tolerance)[Precision.BF16] == 2e-2
 
 
+def _with_learning_rate(text):
+    return GOOD.replace("  sequence_length: 32\n", f"  sequence_length: 32\n  learning_rate: {text}\n")
+
+
 @pytest.mark.parametrize(("text", "number"), [("1e-4", 1e-4), ("3e-3", 3e-3), ("1E5", 1e5), ("+2.5e-1", 0.25),
                                                (".5", 0.5)])
 def test_numbers_written_as_yaml_1_2_decimals_are_numbers(tmp_path, text, number):
-    path = _write(tmp_path, GOOD.replace("  sequence_length: 32\n", f"  sequence_length: 32\n  learning_rate: {text}\n"))
+    path = _write(tmp_path, _with_learning_rate(text))
     assert load_study(path).training.learning_rate == number
 
 
 @pytest.mark.parametrize("text", [".inf", "-.inf", ".nan", "1e400", "'1e-4x'", "'one'"])
 def test_non_finite_or_non_numbers_are_refused_naming_the_key(tmp_path, text):
-    path = _write(tmp_path, GOOD.replace("  sequence_length: 32\n", f"  sequence_length: 32\n  learning_rate: {text}\n"))
+    path = _write(tmp_path, _with_learning_rate(text))
     with pytest.raises(UserError) as err:
         load_study(path)
     assert err.value.key == "training.learning_rate"
