@@ -95,8 +95,9 @@ def take_inventory(model_spec: dict[str, Any], *, sequence_length: int) -> Param
         if model_spec.get("entry_point"):
             model, how = _build_entry_point(model_spec, sequence_length=sequence_length)
         else:
+            eager = {**model_spec, "attention": "eager"}  # the same parameters; every family has an eager kernel
             with FakeTensorMode():
-                model = _inner(build_model(model_spec, checkpointing="none", dtype=torch.float32))
+                model = _inner(build_model(eager, checkpointing="none", dtype=torch.float32))
             how = (f"fake-tensor build: transformers {versions.get('transformers')} AutoModelForCausalLM.from_config"
                    if model_spec.get("hf_config") else "fake-tensor build of dsopt's GPT")
     except Exception as err:  # any failure of the build is reported and the ledger keeps the layout

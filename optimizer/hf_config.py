@@ -4,11 +4,20 @@ The ledger needs the shape (layers, widths, heads, vocabulary) and the block's k
 biases, dropout); trials and traces build the real ``transformers`` class from the same dict
 (:mod:`launchers.hf_model`). Nothing is downloaded and ``transformers`` is not imported here.
 
-Supported ``model_type``: ``llama`` and ``mistral`` (``LlamaConfig``/``MistralConfig`` in transformers:
+Read here, without transformers: ``llama`` and ``mistral`` (``LlamaConfig``/``MistralConfig`` in transformers:
 pre-norm RMSNorm blocks, SwiGLU MLP of ``intermediate_size``, rotary positions, grouped-query attention with
-``num_key_value_heads``). The keys a real config.json always carries are required; the optional ones take
-transformers' defaults (``num_key_value_heads`` = heads, ``tie_word_embeddings`` false, ``attention_bias``,
-``mlp_bias`` false, ``attention_dropout`` 0), as documented in ``configuration_llama.py``.
+``num_key_value_heads``) — the block the ledger's formulas describe exactly. The keys a real config.json always
+carries are required; the optional ones take transformers' defaults (``num_key_value_heads`` = heads,
+``tie_word_embeddings`` false, ``attention_bias``, ``mlp_bias`` false, ``attention_dropout`` 0), as documented in
+``configuration_llama.py``.
+
+**Any other causal-LM ``model_type`` the installed transformers knows** (gpt2, qwen2, gemma, phi3, mixtral, ...)
+is read through transformers' own config class (``AutoConfig.for_model``, which maps each family's names —
+``n_layer``, ``n_embd``, ``ffn_dim`` — onto the common ones) by :func:`generic_shape`; an unknown type, or one
+with no ``AutoModelForCausalLM`` class, is one error naming the type and the transformers version. Its
+parameters are then counted from the model itself (:mod:`optimizer.inventory`), exactly; the shape's block
+kind (gated MLP or not, the norm, learned or rotary positions) is the family's, from :data:`CLASSIC_FAMILIES`,
+and only the activation *formula* uses it — the trace (``activations: trace``) measures the real block.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+"""Read without transformers; every other causal-LM type through it (:func:`generic_shape`)."""
 
 REQUIRED_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads")
@@ -43,13 +53,17 @@ def shape_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
     the ledger cannot describe (an explicit ``head_dim`` other than hidden/heads, different attention and MLP
     biases).
     """
-    for key in REQUIRED_KEYS:
-        if key not in config:
-            raise HfConfigError(key, "missing (a transformers config.json always has it)")
+    if "model_type" not in config:
+        raise HfConfigError("model_type", "missing (a transformers config.json always has it)")
+    if not isinstance(config["model_type"], str):
+        raise HfConfigError("model_type", f"expected a string, got {config['model_type']!r}")
+    if config["model_type"] in SUPPORTED_MODEL_TYPES:
+        for key in REQUIRED_KEYS:
+            if key not in config:
+                raise HfConfigError(key, "missing (a transformers config.json always has it)")
     model_type = config["model_type"]
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise HfConfigError("model_type", f"{model_type!r} is not supported; supported: "
-                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        return generic_shape(config)
     ints = {key: config[key] for key in REQUIRED_KEYS[1:]}
     for key, value in ints.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -76,4 +90,82 @@ def shape_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
         "position_embedding": "rope",
         "dropout": float(config.get("attention_dropout", 0.0) or 0.0) > 0.0,
         "max_positions": config.get("max_position_embeddings") or 2048,
+    }
+
+
+CLASSIC_FAMILIES = frozenset({"gpt2", "gpt_neo", "gpt_neox", "gptj", "gpt_bigcode", "opt", "bloom", "falcon",
+                              "codegen", "phi", "mpt", "biogpt", "xglm", "starcoder2"})
+"""Families whose block is GPT-2's kind: a two-matrix GELU MLP, LayerNorm, biases. Every other family is taken
+as Llama's kind (gated MLP, RMSNorm, no biases). Only the activation formula reads this."""
+LEARNED_POSITIONS = frozenset({"gpt2", "gpt_neo", "gpt_bigcode", "opt", "biogpt", "xglm"})
+"""Families with a learned absolute position table (the others: rotary or ALiBi, no parameters)."""
+FFN_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", "d_ff")
+"""Where families keep the MLP width (transformers has no common name for it); none set: 4h, as GPT-2."""
+KV_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
+DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "resid_pdrop", "hidden_dropout", "dropout", "attn_dropout")
+
+
+def generic_shape(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The shape fields of a causal-LM config of any family the installed transformers knows (module doc).
+
+    HfConfigError naming the key: transformers missing, an unknown ``model_type``, one without a causal-LM
+    class, a config transformers refuses, or widths the ledger cannot hold (non-positive, heads not dividing
+    the width)."""
+    model_type = config["model_type"]
+    try:
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        raise HfConfigError("model_type", f"{model_type!r} is read through transformers, which is not installed: "
+                            "pip install 'dsopt[hf]' (llama and mistral are read without it)") from None
+    version = transformers.__version__
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise HfConfigError("model_type", f"{model_type!r} is not a model type transformers {version} knows")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise HfConfigError("model_type", f"{model_type!r} has no causal-LM model (AutoModelForCausalLM) in "
+                            f"transformers {version}")
+    settings = {k: v for k, v in config.items() if k != "model_type"}
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its token-id remarks are not the user's problem here
+    try:
+        hf = transformers.AutoConfig.for_model(model_type, **settings)
+    except Exception as err:  # transformers' own validation: one line, the config named by the caller
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise HfConfigError("model_type", f"transformers {version} refuses this {model_type} config: "
+                            f"{type(err).__name__}: {first[:200]}") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+
+    def whole(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise HfConfigError(name, f"expected a positive integer, got {value!r}")
+        return value
+
+    hidden = whole("hidden_size", getattr(text, "hidden_size", None))
+    heads = whole("num_attention_heads", getattr(text, "num_attention_heads", None))
+    if hidden % heads:
+        raise HfConfigError("num_attention_heads", f"{heads} does not divide hidden_size {hidden}")
+    kv_key = next((k for k in KV_KEYS if getattr(text, k, None)), None)
+    kv = whole(kv_key, getattr(text, kv_key)) if kv_key else (1 if getattr(text, "multi_query", False) else heads)
+    if heads % kv:
+        raise HfConfigError(kv_key or "num_attention_heads", f"{kv} key/value heads do not divide {heads} heads")
+    ffn_key = next((k for k in FFN_KEYS if getattr(text, k, None)), None)
+    classic = model_type in CLASSIC_FAMILIES
+    dropout = any(isinstance(getattr(text, k, None), (int, float)) and getattr(text, k) > 0 for k in DROPOUT_KEYS)
+    positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 2048
+    return {
+        "layers": whole("num_hidden_layers", getattr(text, "num_hidden_layers", None)),
+        "hidden_size": hidden,
+        "heads": heads,
+        "kv_heads": kv,
+        "ffn_size": whole(ffn_key, getattr(text, ffn_key)) if ffn_key else 4 * hidden,
+        "vocab_size": whole("vocab_size", getattr(text, "vocab_size", None)),
+        "tied_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
+        "mlp": "gelu" if classic else "swiglu",
+        "norm": "layernorm" if classic else "rmsnorm",
+        "bias": classic,
+        "position_embedding": "learned" if model_type in LEARNED_POSITIONS else "rope",
+        "dropout": dropout,
+        "max_positions": whole("max_position_embeddings", positions),
     }

@@ -87,7 +87,9 @@ def test_selective_checkpointing_is_invalid_for_a_transformers_model(tmp_path):
 @pytest.mark.parametrize(
     ("change", "key", "why"),
     [
-        ({"model_type": "gpt2"}, "model_type", "not supported"),
+        ({"model_type": "no_such_family"}, "model_type", "not a model type transformers"),
+        ({"model_type": "vit"}, "model_type", "no causal-LM model"),  # transformers knows it: an image encoder
+        ({"model_type": 7}, "model_type", "expected a string"),
         ({"hidden_size": None}, "hidden_size", "missing"),
         ({"num_hidden_layers": "32"}, "num_hidden_layers", "positive integer"),
         ({"head_dim": 256}, "head_dim", "differs"),

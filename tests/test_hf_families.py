@@ -1,0 +1,98 @@
+"""Causal-LM families beyond Llama, from local configs (nothing downloaded): each loads as a study, its parameters
+are counted from the model itself (the inventory equals transformers' ``num_parameters()``), and ``dsopt ledger``
+prices it. The configs are tiny versions of each family's published config.json, keeping its distinctive keys."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from launchers.inventory import with_inventory  # noqa: E402
+from optimizer.cli import main  # noqa: E402
+from optimizer.study_file import load_study  # noqa: E402
+from optimizer.transformer import largest_layer_parameters, parameter_count  # noqa: E402
+
+TINY = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "max_position_embeddings": 128}
+FAMILIES = {
+    # GPT-2 names its widths n_embd/n_layer/n_head; a 4h GELU MLP (n_inner null), learned positions, tied head
+    "gpt2": {"model_type": "gpt2", "vocab_size": 512, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128,
+             "n_inner": None},
+    # Qwen2: biases on q/k/v only, the head untied (Qwen2-7B)
+    "qwen2": {"model_type": "qwen2", **TINY, "intermediate_size": 172, "num_key_value_heads": 2,
+              "tie_word_embeddings": False},
+    # Gemma: head_dim given, GeGLU, tied head, RMSNorm with (1 + w)
+    "gemma": {"model_type": "gemma", **TINY, "intermediate_size": 256, "num_key_value_heads": 1, "head_dim": 16},
+    # Gemma 2: four norms per block, soft-capping
+    "gemma2": {"model_type": "gemma2", **TINY, "intermediate_size": 256, "num_key_value_heads": 2, "head_dim": 16},
+    # Phi-3: fused qkv_proj and gate_up_proj
+    "phi3": {"model_type": "phi3", **TINY, "intermediate_size": 172, "num_key_value_heads": 4,
+             "tie_word_embeddings": False, "pad_token_id": 0},  # the published 32000 needs the published vocab
+    # Mixtral: 4 experts of a SwiGLU MLP each, a router per block
+    "mixtral": {"model_type": "mixtral", **TINY, "intermediate_size": 128, "num_key_value_heads": 2,
+                "num_local_experts": 4, "num_experts_per_tok": 2},
+    # OPT: ffn_dim, learned positions with an offset of 2 rows
+    "opt": {"model_type": "opt", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "ffn_dim": 256, "max_position_embeddings": 128, "word_embed_proj_dim": 64},
+}
+STUDY = """
+name: family
+model:
+  kind: transformer
+  hf_config: config.json
+  attention: fused
+hardware:
+  accelerator: cpu
+  gpus_per_node: 2
+  gpu_memory: 8 GiB
+training:
+  global_batch_size: 8
+  micro_batch_size: 2
+  sequence_length: 32
+search_space:
+  knobs:
+    zero_stage: [0, 3]
+"""
+
+
+def _study(tmp_path, config):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "family.yaml"
+    path.write_text(textwrap.dedent(STUDY))
+    return path
+
+
+def _real(config):
+    settings = dict(config)
+    hf = transformers.AutoConfig.for_model(settings.pop("model_type"), **settings)
+    return transformers.AutoModelForCausalLM.from_config(hf)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_family_is_priced_from_its_own_parameters(tmp_path, family, capsys):
+    config = FAMILIES[family]
+    study = with_inventory(load_study(_study(tmp_path, config)))
+    real = _real(config)
+    inventory = study.model.inventory
+    assert inventory is not None and inventory.model_class == type(real).__name__
+    assert parameter_count(study.model) == inventory.parameters == real.num_parameters()
+    own = {name: sum(p.numel() for p in m.parameters(recurse=False)) for name, m in real.named_modules()}
+    assert largest_layer_parameters(study.model) == max(own.values())
+    assert main(["ledger", str(study.path), "--set", "zero_stage=3"]) == 0
+    out = capsys.readouterr().out
+    assert f"Ψ = {real.num_parameters():,} parameters" in out and "Parameter inventory" in out
+
+
+def test_the_families_shape_keys_are_read_through_transformers(tmp_path):
+    gpt2 = load_study(_study(tmp_path, FAMILIES["gpt2"])).model
+    assert (gpt2.layers, gpt2.hidden_size, gpt2.heads, gpt2.ffn_size, gpt2.max_positions) == (2, 64, 4, 256, 128)
+    assert (str(gpt2.mlp), str(gpt2.norm), str(gpt2.position_embedding), gpt2.tied_embeddings) == \
+        ("gelu", "layernorm", "learned", True)
+    opt = load_study(_study(tmp_path, FAMILIES["opt"])).model
+    assert opt.ffn_size == 256
+    qwen = load_study(_study(tmp_path, FAMILIES["qwen2"])).model
+    assert (qwen.kv_heads, str(qwen.mlp), str(qwen.norm)) == (2, "swiglu", "rmsnorm")
