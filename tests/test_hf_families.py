@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -16,29 +17,9 @@ from optimizer.cli import main  # noqa: E402
 from optimizer.study_file import load_study  # noqa: E402
 from optimizer.transformer import largest_layer_parameters, parameter_count  # noqa: E402
 
-TINY = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "max_position_embeddings": 128}
-FAMILIES = {
-    # GPT-2 names its widths n_embd/n_layer/n_head; a 4h GELU MLP (n_inner null), learned positions, tied head
-    "gpt2": {"model_type": "gpt2", "vocab_size": 512, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128,
-             "n_inner": None},
-    # Qwen2: biases on q/k/v only, the head untied (Qwen2-7B)
-    "qwen2": {"model_type": "qwen2", **TINY, "intermediate_size": 172, "num_key_value_heads": 2,
-              "tie_word_embeddings": False},
-    # Gemma: head_dim given, GeGLU, tied head, RMSNorm with (1 + w)
-    "gemma": {"model_type": "gemma", **TINY, "intermediate_size": 256, "num_key_value_heads": 1, "head_dim": 16},
-    # Gemma 2: four norms per block, soft-capping
-    "gemma2": {"model_type": "gemma2", **TINY, "intermediate_size": 256, "num_key_value_heads": 2, "head_dim": 16},
-    # Phi-3: fused qkv_proj and gate_up_proj
-    "phi3": {"model_type": "phi3", **TINY, "intermediate_size": 172, "num_key_value_heads": 4,
-             "tie_word_embeddings": False, "pad_token_id": 0},  # the published 32000 needs the published vocab
-    # Mixtral: 4 experts of a SwiGLU MLP each, a router per block
-    "mixtral": {"model_type": "mixtral", **TINY, "intermediate_size": 128, "num_key_value_heads": 2,
-                "num_local_experts": 4, "num_experts_per_tok": 2},
-    # OPT: ffn_dim, learned positions with an offset of 2 rows
-    "opt": {"model_type": "opt", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "ffn_dim": 256, "max_position_embeddings": 128, "word_embed_proj_dim": 64},
-}
+FAMILIES_FILE = Path(__file__).with_name("data") / "hf_families.json"
+"""Each family's tiny config and what is distinctive about it (also read by benchmarks/hf_families.py)."""
+FAMILIES = {name: entry["config"] for name, entry in json.loads(FAMILIES_FILE.read_text()).items()}
 STUDY = """
 name: family
 model:
