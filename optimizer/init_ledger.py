@@ -70,14 +70,18 @@ def parameter_location(offload_param: OffloadDevice) -> Location:
 
 
 def construction_moments(*, construction: Construction, precision: Precision, g: int, psi: int, q: int,
-                  largest_tensor: int, largest_module: int, param_place: Location) -> list[Moment]:
-    """The moments of building the model, before DeepSpeed sees it."""
+                         largest_tensor: int, largest_module: int, param_place: Location,
+                         tied: int = 0) -> list[Moment]:
+    """The moments of building the model, before DeepSpeed sees it. ``tied``: elements of the tensors a tied
+    weight's other modules hold until the tie replaces them (:func:`optimizer.transformer.tied_copy_elements`)."""
     if construction is Construction.FULL:
         return [[_item("model built in fp32 on the host", Category.PARAMS, Location.HOST, FP32 * psi, "4Ψ",
-                       "a script that builds the model whole (training.model_init: full)")]]
+                       "a script that builds the model whole (training.model_init: full)"),
+                 *_untied(FP32, tied, Location.HOST)]]
     if construction is Construction.DEVICE:
         return [[_item(f"whole model built on the device in {precision}", Category.PARAMS, Location.GPU, g * psi,
-                       f"{g}Ψ", "training.model_init: device (torch.device + default dtype)")]]
+                       f"{g}Ψ", "training.model_init: device (torch.device + default dtype)"),
+                 *_untied(g, tied, Location.GPU)]]
     return [[
         _item(f"{precision} parameter partition, made as modules are built", Category.PARAMS, param_place,
               g * q, f"{g}Q", f"{DS} partition_parameters.py:1232-1262, 1836"),
@@ -87,9 +91,17 @@ def construction_moments(*, construction: Construction, precision: Precision, g:
     ]]
 
 
+def _untied(element_bytes: int, tied: int, location: Location) -> list[LedgerItem]:
+    """The head a tied model is built with before it is tied (empty when nothing is tied)."""
+    if not tied:
+        return []
+    return [_item("tied weight's own copy until it is tied", Category.PARAMS, location, element_bytes * tied,
+                  f"{element_bytes}·T", "transformers 5.24 modeling_utils.py:2624 tie_weights (built, then tied)")]
+
+
 def init_moments(*, candidate: Candidate, construction: Construction, psi: int, padded: int, p: int,
                  q: int, s: int, largest_tensor: int, largest_module: int, bucket: int,
-                 device_bytes: int | None) -> list[Moment]:
+                 device_bytes: int | None, tied: int = 0) -> list[Moment]:
     """Every moment of the init phase of ``candidate`` built by ``construction`` (bytes per rank).
 
     ``device_bytes``: the device memory DeepSpeed may use (capacity − reserve), for its "is there room to
@@ -101,7 +113,7 @@ def init_moments(*, candidate: Candidate, construction: Construction, psi: int, 
     param_place = parameter_location(candidate.offload_param)
     moments = construction_moments(construction=construction, precision=precision, g=g, psi=psi, q=q,
                                    largest_tensor=largest_tensor, largest_module=largest_module,
-                                   param_place=param_place)
+                                   param_place=param_place, tied=tied)
     if construction is Construction.FULL:  # deepspeed.initialize casts parameter by parameter, then moves them
         fp32_model = _item("model built in fp32 on the host", Category.PARAMS, Location.HOST, FP32 * psi, "4Ψ",
                            "a script that builds the model whole (training.model_init: full)")

@@ -10,7 +10,8 @@ checked tensor by tensor on CPU ranks; file:line references are to DeepSpeed 0.1
 * Σ = P + (parameters straddling the partition boundary, counted in full) ≤ P + 2·Lₜ
   (``grads_in_partition``, ``stage_1_and_2.py:2186-2194``), Lₜ the largest parameter tensor;
 * Q = Σₚ ⌈nₚ/N⌉, the ZeRO-3 partition (``partition_parameters.py:1690-1696``); S = min(Q, sub_group_size);
-* K persistent (never partitioned) elements, LL the largest module, B the reduce bucket (elements).
+* K persistent (never partitioned) elements, LL the largest module, B the reduce bucket, T the tied weights'
+  extra copies a model is built with before they are tied (elements).
 
 Model states in mixed precision are the ZeRO paper's 2Ψ + 2Ψ + 12Ψ (16 bytes per parameter) and
 DeepSpeed's estimator's 2Ψ + 18Ψ/N at ZeRO-2 (``stage_1_and_2.py:4017-4033``) — with what the estimators
@@ -34,6 +35,7 @@ from optimizer.transformer import (
     largest_tensor_parameters,
     parameter_count,
     persistent_parameters,
+    tied_copy_elements,
     zero3_partition_elements,
 )
 from optimizer.versions import LEDGER_DEEPSPEED_VERSION
@@ -74,6 +76,7 @@ class _Sizes:
     k: int
     largest_tensor: int
     largest_module: int
+    tied: int
     bucket: int
     gas: int
 
@@ -92,7 +95,7 @@ def _sizes(*, model: TransformerModel, candidate: Candidate, hardware: HardwareS
         sigma=min(psi, p + straddlers * largest_tensor), q=q, s=min(q, settings.sub_group_size),
         k=persistent_parameters(model, threshold=settings.param_persistence_threshold),
         largest_tensor=largest_tensor, largest_module=largest_layer_parameters(model),
-        bucket=settings.reduce_bucket_elements,
+        tied=tied_copy_elements(model), bucket=settings.reduce_bucket_elements,
         gas=gradient_accumulation_steps(candidate=candidate, hardware=hardware, training=training),
     )
 
@@ -282,7 +285,7 @@ def construction_bytes(*, candidate: Candidate, model: TransformerModel, hardwar
     z = _sizes(model=model, candidate=candidate, hardware=hardware, training=training, settings=settings)
     moments = construction_moments(
         construction=training.construction(candidate.zero_stage), precision=candidate.precision, g=z.g, psi=z.psi,
-        q=z.q, largest_tensor=z.largest_tensor, largest_module=z.largest_module,
+        q=z.q, largest_tensor=z.largest_tensor, largest_module=z.largest_module, tied=z.tied,
         param_place=parameter_location(candidate.offload_param))
     device_is_host = hardware.accelerator is Accelerator.CPU
     return max(moment_bytes(m, device_is_host=device_is_host) for m in moments)
@@ -306,7 +309,7 @@ def transformer_items(
                               element_bytes=z.g)
     moments = init_moments(candidate=candidate, construction=training.construction(stage), psi=z.psi,
                            padded=z.padded, p=z.p, q=z.q, s=z.s, largest_tensor=z.largest_tensor,
-                           largest_module=z.largest_module, bucket=z.bucket,
+                           largest_module=z.largest_module, tied=z.tied, bucket=z.bucket,
                            device_bytes=None if hardware.accelerator is Accelerator.CPU
                            else hardware.gpu_memory_bytes - hardware.device_reserve_bytes)
     items += init_items(moments, device_is_host=hardware.accelerator is Accelerator.CPU)

@@ -117,6 +117,20 @@ def largest_layer_parameters(model: TransformerModel) -> int:
 
 
 @lru_cache(maxsize=64)
+def tied_copy_elements(model: TransformerModel) -> int:
+    """Elements of the tensors a tied weight's other modules are built with before the tie replaces them
+    (transformers builds ``lm_head`` with its own weight and ``tie_weights`` then points it at the embedding,
+    ``modeling_utils.py:2624`` in 5.24, ``setattr(parent, name, source_param)``; a script's
+    ``head.weight = embed.weight`` does the same).
+    From the parameter inventory's tied groups; 0 without one (dsopt's GPT reuses the embedding in its head)."""
+    inventory = model.inventory
+    if inventory is None or not inventory.tied:
+        return 0
+    numel = {t.name: t.numel for t in inventory.tensors}
+    return sum(numel.get(group[0], 0) * (len(group) - 1) for group in inventory.tied)
+
+
+@lru_cache(maxsize=64)
 def largest_tensor_parameters(model: TransformerModel) -> int:
     """Elements of the largest single parameter tensor (ZeRO-1/2 buffers are sized by it)."""
     return max(t.numel for t in parameter_tensors(model))
