@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from launchers.json_cache import JsonFileCache
+from optimizer.errors import UserError
 from optimizer.inventory import InventoryTensor, ParameterInventory, inventory_key
 from optimizer.specs import TransformerModel
 from optimizer.study_file import StudySpec
@@ -135,8 +136,9 @@ def needs_inventory(model: object) -> bool:
 
 def with_inventory(study: StudySpec, *, warn: Callable[[str], None] | None = None) -> StudySpec:
     """The study with its model's parameter inventory filled (cached), for ``hf_config`` and ``entry_point``
-    models; others come back as they are. A model that cannot be built on fake tensors is reported through
-    ``warn`` (default: one stderr line) and keeps the shape's layout."""
+    models; others come back as they are. A ``transformers`` config the library cannot build is a UserError
+    naming the study and the reason (its trials would fail the same way); an entry point that cannot be built
+    without memory is reported through ``warn`` (default: one stderr line) and keeps the shape's layout."""
     from launchers.trial import model_dict
 
     model = study.model
@@ -154,6 +156,10 @@ def with_inventory(study: StudySpec, *, warn: Callable[[str], None] | None = Non
         try:
             inventory = take_inventory(spec, sequence_length=study.training.sequence_length)
         except InventoryFailed as err:
+            if model.hf_config and not model.entry_point:  # trials build exactly this: they would fail too
+                model_type = spec["hf_config"].get("model_type")
+                raise UserError(source=str(study.path), key="model.hf_config", why=f"transformers cannot build "
+                                f"this {model_type} model from its config: {err}") from None
             say = warn or (lambda line: print(line, file=sys.stderr))
             say(f"warning: {study.path}: model: cannot build the model on fake tensors to read its parameters "
                 f"({err}); the ledger counts parameters from the shape's layout")

@@ -206,3 +206,18 @@ def test_shape_only_studies_keep_the_ledger_free_of_torch(capsys):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert torch is not None
+
+
+def test_a_transformers_config_the_library_cannot_build_is_one_line_exit_2(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    config = json.loads((ROOT / "studies" / "llama-tiny-cpu.config.json").read_text()) | {"pad_token_id": 4096}
+    (tmp_path / "bad.config.json").write_text(json.dumps(config))  # a padding row past the vocabulary
+    raw = yaml.safe_load((ROOT / "studies" / "llama-tiny-cpu.yaml").read_text())
+    raw["model"]["hf_config"] = "bad.config.json"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["ledger", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
+    assert str(path) in captured.err and "model.hf_config" in captured.err and "cannot build" in captured.err
+    assert not (tmp_path / "llama-tiny-cpu" / "inventory.json").exists()
