@@ -68,6 +68,16 @@ def shape_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in ints.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise HfConfigError(key, f"expected a positive integer, got {value!r}")
+    for key in ("num_key_value_heads", "max_position_embeddings"):  # optional, but never 0 or text when given
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise HfConfigError(key, f"expected a positive integer, got {value!r}")
+    for key in ("tie_word_embeddings", "attention_bias", "mlp_bias"):  # bool("false") would be True
+        if key in config and not isinstance(config[key], bool):
+            raise HfConfigError(key, f"expected true or false, got {config[key]!r}")
+    dropout = config.get("attention_dropout", 0.0)
+    if dropout is not None and (isinstance(dropout, bool) or not isinstance(dropout, (int, float))):
+        raise HfConfigError("attention_dropout", f"expected a number, got {dropout!r}")
     hidden, heads = ints["hidden_size"], ints["num_attention_heads"]
     head_dim = config.get("head_dim")
     if head_dim is not None and hidden % heads == 0 and head_dim != hidden // heads:

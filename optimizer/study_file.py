@@ -157,6 +157,14 @@ def _text(value: Any) -> str:
     return value
 
 
+def _path_text(value: Any) -> str:
+    """A filesystem path: non-empty text on one line (``""`` would silently mean the current folder)."""
+    text = _text(value)
+    if not text.strip() or not text.isprintable():
+        raise ValueError(f"expected a path (non-empty text on one line), got {value!r}")
+    return text
+
+
 def _name(value: Any) -> str:
     text = _text(value)
     if not text or not all(ch.isalnum() or ch in "-_." for ch in text) or text.startswith("."):
@@ -270,6 +278,21 @@ SHAPE_KEYS = ("layers", "hidden_size", "heads", "kv_heads", "ffn_size", "vocab_s
 """Model keys an ``hf_config`` already answers (or, for entry_point, contradicts)."""
 
 
+def _unique_json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different (``json`` keeps the last of a repeated key silently)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _no_json_constant(name: str) -> Any:
+    """``json``'s hook for ``NaN``/``Infinity``, which JSON itself does not have."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def _hf_shape(section: _Section, *, study_dir: Path) -> dict[str, Any]:
     """The shape fields and canonical JSON of ``model.hf_config``: an inline mapping or a config.json path
     (relative to the study file). Errors name the config file (or the study's key) and the config's key."""
@@ -286,8 +309,9 @@ def _hf_shape(section: _Section, *, study_dir: Path) -> dict[str, Any]:
         if not path.is_file():
             raise section.error("hf_config", f"no such file: {path}")
         try:
-            config = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            config = json.loads(path.read_text(), object_pairs_hook=_unique_json_object,
+                                parse_constant=_no_json_constant)
+        except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             raise UserError(source=str(path), key="", why=f"not a JSON config: {err}") from None
         if not isinstance(config, dict):
             raise UserError(source=str(path), key="", why="expected a JSON object (a transformers config.json)")
@@ -315,7 +339,7 @@ def _parse_hardware(section: _Section) -> HardwareSpec:
     default_precisions = (
         (Precision.FP32, Precision.BF16) if accelerator is Accelerator.CPU else tuple(Precision)
     )
-    nvme_path = section.get("nvme_path", str, None)
+    nvme_path = section.get("nvme_path", _path_text, None)
     nvme_bytes = section.get("nvme_capacity", parse_bytes, None)
     if nvme_path is not None and nvme_bytes is None:
         # The capacity is read from the path itself: the path must then exist here.
@@ -353,7 +377,10 @@ def _bandwidth(value: Any) -> float:
     text = str(value).strip()
     if not text.endswith("/s"):
         raise ValueError(f"expected a bandwidth such as '50 GB/s', got {value!r}")
-    return float(parse_bytes(text.removesuffix("/s").strip()))
+    rate = float(parse_bytes(text.removesuffix("/s").strip()))
+    if rate <= 0:
+        raise ValueError(f"expected a bandwidth above 0, got {value!r}")
+    return rate
 
 
 def _precision_list(value: Any) -> tuple[Precision, ...]:
@@ -455,6 +482,31 @@ def _parse_slurm(section: _Section) -> SlurmSettings:
     ))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` (what ``yaml.safe_load`` uses: no Python objects) that refuses a key given twice in
+    one mapping, where PyYAML silently keeps the last value (a second ``layers:`` would win unseen)."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges; the mapping's own keys may override them
+            continue
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            duplicate = key in seen
+            seen.add(key)
+        except TypeError:  # an unhashable key: construct_mapping reports it
+            continue
+        if duplicate:
+            raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                    f"duplicate key {key!r}", key_node.start_mark)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def _read_yaml(path: Path, *, what: str) -> object:
     try:
         text = path.read_text(encoding="utf-8")
@@ -465,7 +517,7 @@ def _read_yaml(path: Path, *, what: str) -> object:
     except UnicodeDecodeError:
         raise UserError(source=str(path), key="", why=f"the {what} is not UTF-8 text") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass (above): no Python objects
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

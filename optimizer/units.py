@@ -27,6 +27,11 @@ _UNITS: dict[str, int] = {
 _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
+MAX_BYTES = 2**63 - 1
+"""The largest byte quantity accepted (an int64, as PyTorch and DeepSpeed count bytes); beyond it figures
+overflow when printed as floats, and no machine has it."""
+
+
 def parse_bytes(value: object) -> int:
     """Parse ``value`` into a whole number of bytes.
 
@@ -56,6 +61,8 @@ def parse_bytes(value: object) -> int:
     total = number * scale
     if (isinstance(total, float) and not math.isfinite(total)) or total < 0:
         raise ValueError(f"expected a non-negative byte quantity, got {value!r}")
+    if total > MAX_BYTES:
+        raise ValueError(f"{value!r} is more than {MAX_BYTES:,} bytes (2^63 - 1, about 9.2 EB)")
     if total != int(total):
         raise ValueError(f"{value!r} is not a whole number of bytes")
     return int(total)

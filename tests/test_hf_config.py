@@ -94,6 +94,11 @@ def test_selective_checkpointing_is_invalid_for_a_transformers_model(tmp_path):
         ({"num_hidden_layers": "32"}, "num_hidden_layers", "positive integer"),
         ({"head_dim": 256}, "head_dim", "differs"),
         ({"mlp_bias": True}, "mlp_bias", "both"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings", "true or false"),  # bool("false") is True
+        ({"attention_bias": "false"}, "attention_bias", "true or false"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads", "positive integer"),  # would become the default
+        ({"max_position_embeddings": 0}, "max_position_embeddings", "positive integer"),
+        ({"attention_dropout": [1]}, "attention_dropout", "expected a number"),
     ],
 )
 def test_a_bad_config_names_its_file_and_key(tmp_path, change, key, why):
@@ -121,6 +126,12 @@ def test_a_missing_or_broken_config_file_exits_2(tmp_path, capsys):
     assert main(["ledger", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "config.json" in err and "not a JSON config" in err
+    for text, needle in (('{"model_type": "llama", "model_type": "gpt2"}', "duplicate key 'model_type'"),
+                         ('{"model_type": "llama", "rms_norm_eps": NaN}', "NaN is not a JSON number")):
+        (tmp_path / "config.json").write_text(text)
+        assert main(["ledger", str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, err
 
 
 @pytest.mark.parametrize("dtype_key", ["torch_dtype", "dtype"])

@@ -82,6 +82,10 @@ def test_repository_studies_load(repo_root):
          "listed twice"),
         ("name: tiny\n", "name: tiny\nstudy_name: x\n", "study_name", "unknown key"),
         ("  heads: 4\n", "  heads: 4\n  dropout: maybe\n", "model.dropout", "true or false"),
+        ("  gpu_memory: 8 GiB\n", "  gpu_memory: 1e400 GB\n", "hardware.gpu_memory", "2^63 - 1"),  # no overflow
+        ("  gpus_per_node: 2\n", "  gpus_per_node: 2\n  nvme_path: ''\n", "hardware.nvme_path", "non-empty"),
+        ("  gpus_per_node: 2\n", "  gpus_per_node: 2\n  nvme_bandwidth: 0 GB/s\n", "hardware.nvme_bandwidth",
+         "above 0"),
     ],
 )
 def test_bad_study_names_file_key_and_why(tmp_path, old, new, key, why):
@@ -165,3 +169,23 @@ def test_non_finite_or_non_numbers_are_refused_naming_the_key(tmp_path, text):
     with pytest.raises(UserError) as err:
         load_study(path)
     assert err.value.key == "training.learning_rate"
+
+
+@pytest.mark.parametrize(("old", "new", "line"), [
+    ("  layers: 2\n", "  layers: 2\n  layers: 3\n", 6),  # PyYAML alone keeps the last silently
+    ("name: tiny\n", "name: tiny\nname: other\n", 3),
+    ("    zero_stage: [0, 1, 2, 3]\n", "    zero_stage: [0, 1, 2, 3]\n    zero_stage: [0]\n", 21),
+])
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path, old, new, line):
+    path = _write(tmp_path, GOOD.replace(old, new, 1))
+    with pytest.raises(UserError) as info:
+        load_study(path)
+    assert info.value.source == str(path) and "duplicate key" in info.value.why
+    assert f"line {line}" in info.value.why
+
+
+def test_a_yaml_merge_key_may_be_overridden_by_the_mappings_own_key(tmp_path):
+    merged = "hardware:\n  <<: {accelerator: cuda, gpus_per_node: 8}\n  accelerator: cpu\n"
+    path = _write(tmp_path, GOOD.replace("hardware:\n  accelerator: cpu\n", merged))
+    hardware = load_study(path).hardware
+    assert hardware.accelerator.value == "cpu" and hardware.gpus_per_node == 2  # own keys win, as YAML says
