@@ -54,7 +54,8 @@ def build_hf_model(config: dict[str, Any], *, attention: str, checkpointing: str
                                                           dtype=dtype)
     if checkpointing == "selective":
         raise ValueError("transformers models have no selective recompute")
-    recompute = recomputed_blocks(checkpointing, hf_config.num_hidden_layers)
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config  # Llama 4
+    recompute = recomputed_blocks(checkpointing, text_config.num_hidden_layers)
     if recompute:
         kwargs = {"use_reentrant": False}
         if hasattr(inner, "activation_checkpointing_enable"):  # transformers >= 5.x; the older name warns

@@ -14,9 +14,13 @@ Studies given by their shape alone (the built-in GPT) keep the hand layout: it e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
+import importlib.util
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,32 +60,78 @@ def inventory_of(model: nn.Module, *, source: str) -> ParameterInventory:
     return ParameterInventory(tensors=tuple(tensors), tied=tied, model_class=type(model).__name__, source=source)
 
 
+def _reason(err: Exception) -> str:
+    """The first lines of an error, on one line (transformers' validators put the reason on the second)."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    return " ".join(lines[:3])[:300]
+
+
 def _inner(model: nn.Module) -> nn.Module:
     """A transformers model wrapped by :class:`launchers.hf_model.HfCausalLM` (its loss head), unwrapped."""
     return getattr(model, "inner", model)
 
 
+class EntryPointBroken(RuntimeError):
+    """The entry point cannot be imported, or returns something other than ``(nn.Module, batch_fn)``: its
+    trials would fail the same way (a UserError for the study)."""
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Every parameter a module registers goes to the meta device; the rest of the code runs as it is (its data
+    set-up, its buffers). Like ``accelerate.init_empty_weights(include_buffers=False)``, but a parameter already
+    on the meta device is kept as the same object, so ``head.weight = embed.weight`` stays one shared tensor
+    (accelerate re-wraps it, and the tie would be counted twice)."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _entry_model(returned: Any, name: str) -> nn.Module:
+    """The model of an entry point's ``(model, batch_fn)``; EntryPointBroken for any other return."""
+    if not isinstance(returned, tuple) or len(returned) != 2:
+        raise EntryPointBroken(f"{name} returned {type(returned).__name__}; an entry point returns "
+                               "(model, batch_fn)")
+    if not isinstance(returned[0], nn.Module):
+        raise EntryPointBroken(f"{name} returned a {type(returned[0]).__name__} as its model, not a torch.nn.Module")
+    return returned[0]
+
+
 def _build_entry_point(model_spec: dict[str, Any], *, sequence_length: int) -> tuple[nn.Module, str]:
-    """The entry point's model with no parameter memory: on fake tensors, or — when its code needs real values
-    outside the model (a data set-up, say) — with only the parameters on the meta device (accelerate's
-    ``init_empty_weights``, what transformers uses for big models), the rest of its code run as it is."""
+    """The entry point's model with no parameter memory: its code run as it is with every parameter on the meta
+    device (:func:`meta_parameters`), or — when that fails (a ``.to(device)`` of meta tensors, say) — on fake
+    tensors. What it prints goes to stderr (stdout may carry ``--json``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from launchers.workload import load_entry_point
 
-    function = load_entry_point(model_spec["entry_point"])
     name = model_spec["entry_point"]
     try:
-        with FakeTensorMode():
-            return function(model_spec, sequence_length, 0, "none")[0], f"fake-tensor build of entry point {name}"
-    except Exception as fake_error:
+        function = load_entry_point(name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise EntryPointBroken(f"cannot load {name}: {type(err).__name__}: {err}") from None
+    args = (model_spec, sequence_length, 0, "none")
+    with contextlib.redirect_stdout(sys.stderr):
         try:
-            from accelerate import init_empty_weights
-        except ImportError:
-            raise fake_error from None
-        with init_empty_weights(include_buffers=False):
-            model = function(model_spec, sequence_length, 0, "none")[0]
-        return model, f"meta-parameter build of entry point {name} (accelerate.init_empty_weights)"
+            with meta_parameters():
+                returned = function(*args)
+            how = f"meta-parameter build of entry point {name}"
+        except EntryPointBroken:
+            raise
+        except Exception:
+            with FakeTensorMode():
+                returned = function(*args)
+            how = f"fake-tensor build of entry point {name}"
+    return _entry_model(returned, name), how
 
 
 def take_inventory(model_spec: dict[str, Any], *, sequence_length: int) -> ParameterInventory:
@@ -101,11 +151,10 @@ def take_inventory(model_spec: dict[str, Any], *, sequence_length: int) -> Param
                 model = _inner(build_model(eager, checkpointing="none", dtype=torch.float32))
             how = (f"fake-tensor build: transformers {versions.get('transformers')} AutoModelForCausalLM.from_config"
                    if model_spec.get("hf_config") else "fake-tensor build of dsopt's GPT")
+    except EntryPointBroken:
+        raise
     except Exception as err:  # any failure of the build is reported and the ledger keeps the layout
-        first = (str(err).strip().splitlines() or [""])[0]
-        raise InventoryFailed(f"{type(err).__name__}: {first[:300]}") from None
-    if not isinstance(model, nn.Module):
-        raise InventoryFailed(f"the entry point returned {type(model).__name__}, not a torch.nn.Module")
+        raise InventoryFailed(f"{type(err).__name__}: {_reason(err)}") from None
     if not any(True for _ in model.parameters()):
         raise InventoryFailed("the model has no parameters")
     return inventory_of(model, source=f"{how}; torch {versions['torch']}")
@@ -125,6 +174,22 @@ class InventoryCache(JsonFileCache):
 
     def put(self, key: str, inventory: ParameterInventory) -> None:
         self.store(key, inventory.to_json())
+
+
+def _module_digest(entry_point: str, folder: str) -> str | None:
+    """SHA-256 of the entry point's module file (found beside the study first, as trials find it), or None."""
+    module = entry_point.partition(":")[0]
+    sys.path.insert(0, folder)
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    finally:
+        sys.path.remove(folder)
+    origin = getattr(spec, "origin", None)
+    if not origin or not Path(origin).is_file():
+        return None
+    return hashlib.sha256(Path(origin).read_bytes()).hexdigest()
 
 
 def needs_inventory(model: object) -> bool:
@@ -147,14 +212,18 @@ def with_inventory(study: StudySpec, *, warn: Callable[[str], None] | None = Non
     assert isinstance(model, TransformerModel)
     spec = model_dict(model)
     versions = {name: installed_versions().get(name) for name in ("torch", "transformers")}
+    folder = str(study.path.parent.resolve())  # an entry point's module sits beside the study, as in trials
+    if model.entry_point:
+        versions["entry_point_source"] = _module_digest(model.entry_point, folder)  # edited code: taken again
     key = inventory_key(spec, versions=versions)
     cache = InventoryCache(study.output_dir / "inventory.json")
     inventory = cache.get(key)
     if inventory is None:
-        folder = str(study.path.parent.resolve())  # an entry point's module sits beside the study, as in trials
         sys.path.insert(0, folder)
         try:
             inventory = take_inventory(spec, sequence_length=study.training.sequence_length)
+        except EntryPointBroken as err:
+            raise UserError(source=str(study.path), key="model.entry_point", why=str(err)) from None
         except InventoryFailed as err:
             if model.hf_config and not model.entry_point:  # trials build exactly this: they would fail too
                 model_type = spec["hf_config"].get("model_type")

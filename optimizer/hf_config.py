@@ -140,9 +140,10 @@ def generic_shape(config: Mapping[str, Any]) -> dict[str, Any]:
     try:
         hf = transformers.AutoConfig.for_model(model_type, **settings)
     except Exception as err:  # transformers' own validation: one line, the config named by the caller
-        first = (str(err).strip().splitlines() or [""])[0]
+        lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+        reason = " ".join(lines[:3])[:300]  # its validators put the field on line 1 and the reason on line 2
         raise HfConfigError("model_type", f"transformers {version} refuses this {model_type} config: "
-                            f"{type(err).__name__}: {first[:200]}") from None
+                            f"{type(err).__name__}: {reason}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
     text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
@@ -153,17 +154,24 @@ def generic_shape(config: Mapping[str, Any]) -> dict[str, Any]:
         return value
 
     hidden = whole("hidden_size", getattr(text, "hidden_size", None))
+    if not getattr(text, "num_attention_heads", None) and "num_attention_heads" not in config:
+        raise HfConfigError("model_type", f"{model_type!r} has no attention heads (a state-space or recurrent "
+                            "model): the ledger's activation and ZeRO-3 formulas describe attention transformers")
     heads = whole("num_attention_heads", getattr(text, "num_attention_heads", None))
     if hidden % heads:
         raise HfConfigError("num_attention_heads", f"{heads} does not divide hidden_size {hidden}")
-    kv_key = next((k for k in KV_KEYS if getattr(text, k, None)), None)
+    kv_key = next((k for k in KV_KEYS if getattr(text, k, None) is not None), None)  # 0 is an error, not unset
     kv = whole(kv_key, getattr(text, kv_key)) if kv_key else (1 if getattr(text, "multi_query", False) else heads)
     if heads % kv:
         raise HfConfigError(kv_key or "num_attention_heads", f"{kv} key/value heads do not divide {heads} heads")
-    ffn_key = next((k for k in FFN_KEYS if getattr(text, k, None)), None)
+    ffn_key = next((k for k in FFN_KEYS if getattr(text, k, None) is not None), None)
     classic = model_type in CLASSIC_FAMILIES
     dropout = any(isinstance(getattr(text, k, None), (int, float)) and getattr(text, k) > 0 for k in DROPOUT_KEYS)
-    positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 2048
+    positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    if not isinstance(positions, int) or isinstance(positions, bool) or positions < 1:
+        if "max_position_embeddings" in config or "n_positions" in config:  # the user's own value: refuse it
+            raise HfConfigError("max_position_embeddings", f"expected a positive integer, got {positions!r}")
+        positions = 2048  # the class has no position table (XLNet's -1): rotary or relative positions
     return {
         "layers": whole("num_hidden_layers", getattr(text, "num_hidden_layers", None)),
         "hidden_size": hidden,

@@ -77,3 +77,31 @@ def test_the_families_shape_keys_are_read_through_transformers(tmp_path):
     assert opt.ffn_size == 256
     qwen = load_study(_study(tmp_path, FAMILIES["qwen2"])).model
     assert (qwen.kv_heads, str(qwen.mlp), str(qwen.norm)) == (2, "swiglu", "rmsnorm")
+
+
+@pytest.mark.parametrize(("change", "key", "needle"), [
+    ({"intermediate_size": 0}, "intermediate_size", "positive integer"),  # not "unset": 4h would be a guess
+    ({"num_key_value_heads": 0}, "num_key_value_heads", "positive integer"),
+    ({"hidden_size": "64"}, "model_type", "hidden_size"),  # transformers' validator: field and reason both said
+])
+def test_a_bad_value_in_another_familys_config_names_it(tmp_path, change, key, needle):
+    from optimizer.errors import UserError
+
+    with pytest.raises(UserError) as info:
+        load_study(_study(tmp_path, {**FAMILIES["qwen2"], **change}))
+    assert info.value.key == key and needle in info.value.why, info.value.why
+
+
+def test_a_model_without_attention_heads_is_refused_saying_so(tmp_path):
+    from optimizer.errors import UserError
+
+    mamba = {"model_type": "mamba", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "state_size": 8}
+    with pytest.raises(UserError) as info:
+        load_study(_study(tmp_path, mamba))
+    assert "no attention heads" in info.value.why
+
+
+def test_a_family_without_a_position_table_takes_the_default(tmp_path):
+    xlnet = {"model_type": "xlnet", "vocab_size": 512, "d_model": 64, "n_layer": 2, "n_head": 4, "d_inner": 128}
+    study = with_inventory(load_study(_study(tmp_path, xlnet)))
+    assert study.model.max_positions == 2048 and parameter_count(study.model) == _real(xlnet).num_parameters()

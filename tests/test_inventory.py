@@ -115,8 +115,8 @@ def test_a_transformers_llama_counts_what_num_parameters_counts(tied):
     assert inventory.largest_module()[1] == largest_layer_parameters(shaped)
 
 
-def _entry_point_study(tmp_path: Path, *, entry_point: str) -> Path:
-    (tmp_path / "extra_workload.py").write_text(
+def _entry_point_study(tmp_path: Path, *, entry_point: str, module: str = "extra_workload") -> Path:
+    (tmp_path / f"{module}.py").write_text(
         "import torch\n"
         "from launchers.workload import GPT, SyntheticTokens\n\n"
         "class WithAdapter(torch.nn.Module):  # a user's module the shape does not describe\n"
@@ -133,7 +133,19 @@ def _entry_point_study(tmp_path: Path, *, entry_point: str) -> Path:
         "    model = GPT(spec, checkpointing='none')\n"
         "    if float(next(model.parameters()).sum()) != 0.0:  # reads a value: impossible on fake tensors\n"
         "        pass\n"
-        "    return model, None\n")
+        "    return model, None\n\n"
+        "class TiedHead(torch.nn.Module):  # a user's own tie, by assignment\n"
+        "    def __init__(self, spec):\n"
+        "        super().__init__()\n"
+        "        self.embed = torch.nn.Embedding(spec['vocab_size'], spec['hidden_size'])\n"
+        "        self.head = torch.nn.Linear(spec['hidden_size'], spec['vocab_size'], bias=False)\n"
+        "        self.head.weight = self.embed.weight\n\n"
+        "def tied(spec, sequence_length, seed, checkpointing):\n"
+        "    print('building the tied model')  # must not reach stdout: --json is there\n"
+        "    return TiedHead(spec), SyntheticTokens(vocab_size=spec['vocab_size'], sequence_length=sequence_length,"
+        " seed=seed)\n\n"
+        "def bare(spec, sequence_length, seed, checkpointing):\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))\n")
     raw = yaml.safe_load((ROOT / "studies" / "cpu-tiny.yaml").read_text())
     raw["model"]["entry_point"] = entry_point
     raw["name"] = "inventory-entry"
@@ -159,7 +171,7 @@ def test_an_entry_points_own_modules_are_counted(tmp_path, monkeypatch, capsys):
     assert out["inventory"]["largest_module"] == {"name": "adapter", "elements": adapter}
     assert main(["ledger", str(study.path)]) == 0
     text = capsys.readouterr().out
-    assert "meta-parameter build of entry point extra_workload:workload (accelerate.init_empty_weights)" in text
+    assert "meta-parameter build of entry point extra_workload:workload" in text
     assert f"largest module (ZeRO-3 gathers it whole): adapter — {adapter:,} elements" in text
 
 
@@ -221,3 +233,39 @@ def test_a_transformers_config_the_library_cannot_build_is_one_line_exit_2(tmp_p
     assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
     assert str(path) in captured.err and "model.hf_config" in captured.err and "cannot build" in captured.err
     assert not (tmp_path / "llama-tiny-cpu" / "inventory.json").exists()
+
+
+def test_an_entry_points_own_tie_is_counted_once_and_its_prints_stay_off_stdout(tmp_path, capsys):
+    study = load_study(_entry_point_study(tmp_path, entry_point="tied_workload:tied", module="tied_workload"))
+    counted = with_inventory(study)
+    vocab, hidden = study.model.vocab_size, study.model.hidden_size
+    assert counted.model.inventory.parameters == vocab * hidden  # one tensor under two names
+    assert counted.model.inventory.tied == (("embed.weight", "head.weight"),)
+    assert main(["ledger", str(study.path), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["inventory"]["parameters"] == vocab * hidden  # stdout is the JSON alone
+    assert "building the tied model" not in captured.out
+
+
+@pytest.mark.parametrize(("entry_point", "needle"), [
+    ("no_such_module_anywhere:workload", "cannot load"),
+    ("broken_workload:no_such_function", "cannot load"),
+    ("broken_workload:bare", "returns (model, batch_fn)"),  # [0] would have been its first Linear
+])
+def test_an_entry_point_its_trials_could_not_use_is_one_line_exit_2(tmp_path, capsys, entry_point, needle):
+    path = _entry_point_study(tmp_path, entry_point=entry_point, module="broken_workload")
+    assert main(["ledger", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
+    assert "model.entry_point" in captured.err and needle in captured.err
+
+
+def test_an_edited_entry_point_is_counted_again(tmp_path):
+    path = _entry_point_study(tmp_path, entry_point="edited_workload:workload", module="edited_workload")
+    before = with_inventory(load_study(path)).model.inventory.parameters
+    module = tmp_path / "edited_workload.py"
+    module.write_text(module.read_text().replace("1000)", "5000)"))
+    sys.modules.pop("edited_workload", None)
+    after = with_inventory(load_study(path)).model.inventory.parameters
+    hidden = load_study(path).model.hidden_size
+    assert after - before == 4000 * (hidden + 1)
