@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from launchers.json_cache import JsonFileCache
-from optimizer.errors import UserError
+from optimizer.errors import UserError, error_summary
 from optimizer.inventory import InventoryTensor, ParameterInventory, inventory_key
 from optimizer.specs import TransformerModel
 from optimizer.study_file import StudySpec
@@ -58,12 +58,6 @@ def inventory_of(model: nn.Module, *, source: str) -> ParameterInventory:
                                        shape=tuple(param.shape), dtype=str(param.dtype).removeprefix("torch.")))
     tied = tuple(tuple(names) for names in groups.values() if len(names) > 1)
     return ParameterInventory(tensors=tuple(tensors), tied=tied, model_class=type(model).__name__, source=source)
-
-
-def _reason(err: Exception) -> str:
-    """The first lines of an error, on one line (transformers' validators put the reason on the second)."""
-    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
-    return " ".join(lines[:3])[:300]
 
 
 def _inner(model: nn.Module) -> nn.Module:
@@ -154,7 +148,7 @@ def take_inventory(model_spec: dict[str, Any], *, sequence_length: int) -> Param
     except EntryPointBroken:
         raise
     except Exception as err:  # any failure of the build is reported and the ledger keeps the layout
-        raise InventoryFailed(f"{type(err).__name__}: {_reason(err)}") from None
+        raise InventoryFailed(f"{type(err).__name__}: {error_summary(err)}") from None
     if not any(True for _ in model.parameters()):
         raise InventoryFailed("the model has no parameters")
     return inventory_of(model, source=f"{how}; torch {versions['torch']}")
@@ -176,27 +170,28 @@ class InventoryCache(JsonFileCache):
         self.store(key, inventory.to_json())
 
 
-def _module_digest(entry_point: str, folder: str) -> str | None:
-    """SHA-256 of the entry point's module file (found beside the study first, as trials find it), or None."""
-    module = entry_point.partition(":")[0]
+@contextlib.contextmanager
+def _importable_from(folder: str) -> Iterator[None]:
+    """``folder`` first on ``sys.path`` for the block: an entry point's module sits beside the study, and
+    trials put that folder on their PYTHONPATH (:func:`launchers.trial.rank_plan`)."""
     sys.path.insert(0, folder)
     try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        spec = None
+        yield
     finally:
         sys.path.remove(folder)
+
+
+def _module_digest(entry_point: str, folder: str) -> str | None:
+    """SHA-256 of the entry point's module file (found as trials find it), or None."""
+    with _importable_from(folder):
+        try:
+            spec = importlib.util.find_spec(entry_point.partition(":")[0])
+        except (ImportError, ValueError):
+            spec = None
     origin = getattr(spec, "origin", None)
     if not origin or not Path(origin).is_file():
         return None
     return hashlib.sha256(Path(origin).read_bytes()).hexdigest()
-
-
-def needs_inventory(model: object) -> bool:
-    """Whether the study's model is built by code the shape does not describe (a transformers config or an
-    entry point) and has no inventory yet."""
-    return isinstance(model, TransformerModel) and model.inventory is None and bool(model.hf_config or
-                                                                                     model.entry_point)
 
 
 def with_inventory(study: StudySpec, *, warn: Callable[[str], None] | None = None) -> StudySpec:
@@ -207,21 +202,21 @@ def with_inventory(study: StudySpec, *, warn: Callable[[str], None] | None = Non
     from launchers.trial import model_dict
 
     model = study.model
-    if not needs_inventory(model):
+    if not isinstance(model, TransformerModel) or not model.counted_from_code:
         return study
-    assert isinstance(model, TransformerModel)
     spec = model_dict(model)
-    versions = {name: installed_versions().get(name) for name in ("torch", "transformers")}
-    folder = str(study.path.parent.resolve())  # an entry point's module sits beside the study, as in trials
+    installed = installed_versions()
+    versions = {name: installed.get(name) for name in ("torch", "transformers")}
+    folder = str(study.path.parent.resolve())
     if model.entry_point:
         versions["entry_point_source"] = _module_digest(model.entry_point, folder)  # edited code: taken again
     key = inventory_key(spec, versions=versions)
     cache = InventoryCache(study.output_dir / "inventory.json")
     inventory = cache.get(key)
     if inventory is None:
-        sys.path.insert(0, folder)
         try:
-            inventory = take_inventory(spec, sequence_length=study.training.sequence_length)
+            with _importable_from(folder):
+                inventory = take_inventory(spec, sequence_length=study.training.sequence_length)
         except EntryPointBroken as err:
             raise UserError(source=str(study.path), key="model.entry_point", why=str(err)) from None
         except InventoryFailed as err:
@@ -233,7 +228,5 @@ def with_inventory(study: StudySpec, *, warn: Callable[[str], None] | None = Non
             say(f"warning: {study.path}: model: cannot build the model on fake tensors to read its parameters "
                 f"({err}); the ledger counts parameters from the shape's layout")
             return study
-        finally:
-            sys.path.remove(folder)
         cache.put(key, inventory)
     return dataclasses.replace(study, model=dataclasses.replace(model, inventory=inventory))

@@ -55,15 +55,21 @@ def _psi(study: StudySpec) -> int:
     return study.model.parameters if isinstance(study.model, SeedModel) else parameter_count(study.model)
 
 
+def _counted(study: StudySpec) -> StudySpec:
+    """The study with its model's parameter inventory when its code builds it (torch is imported only then)."""
+    if isinstance(study.model, TransformerModel) and study.model.counted_from_code:
+        from launchers.inventory import with_inventory
+
+        return with_inventory(study)
+    return study
+
+
 def _study(path: str) -> StudySpec:
     """The study file, with the parameter inventory of a ``transformers`` or entry-point model (built on fake
     tensors, cached; one warning and the shape's layout when it cannot be built) and its model traced when it
     says ``activations: trace`` (cached; a failed trace warns on stderr and leaves the formula in place)."""
     study = load_study(path)
-    if isinstance(study.model, TransformerModel) and (study.model.hf_config or study.model.entry_point):
-        from launchers.inventory import with_inventory
-
-        study = with_inventory(study)
+    study = _counted(study)
     if isinstance(study.model, TransformerModel) and study.model.activations is ActivationSource.TRACE:
         from launchers.trace import with_traced_activations
 
@@ -359,10 +365,7 @@ def _trace(args: argparse.Namespace) -> int:
     study = load_study(args.study)
     if isinstance(study.model, SeedModel):
         raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to trace")
-    if study.model.hf_config or study.model.entry_point:
-        from launchers.inventory import with_inventory
-
-        study = with_inventory(study)
+    study = _counted(study)
     rows = trace_rows(study=study, cache=study.output_dir / "traces.json")
     if args.json:
         print(json.dumps({"study": study.name, "inventory": _inventory_json(study), "rows": rows}, indent=2))

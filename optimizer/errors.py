@@ -22,3 +22,10 @@ class UserError(Exception):
         self.why = why
         where = f"{source}: {key}" if key else source
         super().__init__(f"{where}: {why}")
+
+
+def error_summary(err: BaseException, *, lines: int = 3, limit: int = 300) -> str:
+    """An exception's first non-empty ``lines`` lines joined on one line, at most ``limit`` characters (a
+    library's message that puts the field on line 1 and the reason on line 2 keeps both)."""
+    text = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    return " ".join(text[:lines])[:limit]

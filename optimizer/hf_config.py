@@ -26,6 +26,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from optimizer.errors import error_summary
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 """Read without transformers; every other causal-LM type through it (:func:`generic_shape`)."""
 
@@ -140,10 +142,8 @@ def generic_shape(config: Mapping[str, Any]) -> dict[str, Any]:
     try:
         hf = transformers.AutoConfig.for_model(model_type, **settings)
     except Exception as err:  # transformers' own validation: one line, the config named by the caller
-        lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
-        reason = " ".join(lines[:3])[:300]  # its validators put the field on line 1 and the reason on line 2
         raise HfConfigError("model_type", f"transformers {version} refuses this {model_type} config: "
-                            f"{type(err).__name__}: {reason}") from None
+                            f"{type(err).__name__}: {error_summary(err)}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
     text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf

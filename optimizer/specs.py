@@ -223,6 +223,12 @@ class TransformerModel:
             raise ValueError("give either entry_point or hf_config, not both: each says how trials build the model")
 
     @property
+    def counted_from_code(self) -> bool:
+        """Built by code the shape does not describe (a transformers config or an entry point) and not yet
+        counted: its parameter inventory is to be taken (:func:`launchers.inventory.with_inventory`)."""
+        return self.inventory is None and bool(self.hf_config or self.entry_point)
+
+    @property
     def head_dim(self) -> int:
         """Width of one attention head, h / a."""
         return self.hidden_size // self.heads

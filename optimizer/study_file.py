@@ -482,29 +482,32 @@ def _parse_slurm(section: _Section) -> SlurmSettings:
     ))
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` (what ``yaml.safe_load`` uses: no Python objects) that refuses a key given twice in
-    one mapping, where PyYAML silently keeps the last value (a second ``layers:`` would win unseen)."""
+MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
-def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges; the mapping's own keys may override them
-            continue
-        key = loader.construct_object(key_node, deep=deep)
-        try:
-            duplicate = key in seen
-            seen.add(key)
-        except TypeError:  # an unhashable key: construct_mapping reports it
-            continue
-        if duplicate:
-            raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
-                                                    f"duplicate key {key!r}", key_node.start_mark)
-    return loader.construct_mapping(node, deep=deep)
+def _refuse_duplicate_keys(node: yaml.Node | None) -> None:
+    """Raise a YAML error at the second of two equal keys in one mapping, anywhere in ``node``'s tree.
 
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+    PyYAML silently keeps the last value of a repeated key (a second ``layers:`` would win unseen). The check
+    runs on the composed node tree (``yaml.compose``: no object is constructed); keys compare by resolved tag
+    and text; ``<<:`` merge keys are skipped, so a mapping's own keys may still override merged ones."""
+    stack = [node] if node is not None else []
+    while stack:
+        current = stack.pop()
+        if isinstance(current, yaml.MappingNode):
+            seen: set[tuple[str, str]] = set()
+            for key_node, value_node in current.value:
+                stack.append(value_node)
+                if key_node.tag == MERGE_TAG or not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                key = (key_node.tag, key_node.value)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError("while constructing a mapping", current.start_mark,
+                                                            f"duplicate key {key_node.value!r}",
+                                                            key_node.start_mark)
+                seen.add(key)
+        elif isinstance(current, yaml.SequenceNode):
+            stack.extend(current.value)
 
 
 def _read_yaml(path: Path, *, what: str) -> object:
@@ -517,7 +520,8 @@ def _read_yaml(path: Path, *, what: str) -> object:
     except UnicodeDecodeError:
         raise UserError(source=str(path), key="", why=f"the {what} is not UTF-8 text") from None
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass (above): no Python objects
+        _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
+        return yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
