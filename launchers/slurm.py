@@ -101,7 +101,8 @@ def _check_storage(storage: str | None) -> str:
 
 
 def submit(*, spec: StudySpec, workers: int, storage: str | None, dry_run: bool) -> Submission:
-    """Write and submit the array (or only build the script when ``dry_run``)."""
+    """Write and submit the array (or only build the script when ``dry_run``); the model is traced first when
+    the study asks (after the storage and ``sbatch`` are checked)."""
     python = spec.slurm.python or sys.executable
     script = sbatch_script(spec=spec, workers=workers, python=python, workdir=REPO_ROOT,
                            log_dir=slurm_dir(spec))
@@ -113,6 +114,9 @@ def submit(*, spec: StudySpec, workers: int, storage: str | None, dry_run: bool)
     if sbatch is None:
         raise UserError(source="dsopt slurm submit", key="sbatch", why="not found on PATH: is this a SLURM login "
                         "node? (--dry-run prints the script)")
+    from launchers.trace import with_traced_activations
+
+    with_traced_activations(spec)  # once here, so the array's workers find studies/NAME/traces.json warm
     folder = slurm_dir(spec)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "worker.sbatch"

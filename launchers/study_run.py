@@ -166,6 +166,13 @@ WAIT = StopReason(text="every remaining candidate is being run by another worker
 """Not a stop: wait for the other workers' trials."""
 
 
+def check_shared_storage(storage: str) -> None:
+    """Refuse (exit 2) a storage several workers cannot share: SQLite."""
+    if storage_kind(storage) is StorageKind.SQLITE:
+        raise UserError(source="--storage", key=redact(storage), why="SQLite is single-process: several workers "
+                        "need postgresql+psycopg://... or journal:///shared/file.log (one process: 'dsopt study run')")
+
+
 def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s: float | None,
               runner: Callable[[Candidate, list[float]], TrialResult] | None = None,
               parallel: bool = False, reference: Callable[[], list[float]] | None = None,
@@ -179,16 +186,17 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     slice of its node's GPUs (:func:`launchers.trial.check_devices`), used by every launch including the
     reference; None: every GPU the process sees.
     """
+    from launchers.trace import with_traced_activations  # torch: only once a study runs
+
     space = branches(spec)  # validate before anything is written
-    kind = storage_kind(storage)
-    if parallel and kind is StorageKind.SQLITE:
-        raise UserError(source="--storage", key=redact(storage), why="SQLite is single-process: several workers "
-                        "need postgresql+psycopg://... or journal:///shared/file.log (one process: 'dsopt study run')")
+    if parallel:
+        check_shared_storage(storage)
     if storage == default_storage(spec):
         spec.output_dir.mkdir(parents=True, exist_ok=True)  # the SQLite file's folder
     worker = worker_id()
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are data: our progress line reports them
     study = open_study(spec=spec, storage=storage, sampler=sampler)
+    spec = with_traced_activations(spec)  # once the storage is known to be reachable; cached per study
     losses = setup_study(study=study, spec=spec, space=space, worker=worker,
                          reference=reference or (lambda: reference_losses(spec, gpus=gpus)))
 
@@ -199,7 +207,7 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
         return run_trial(study=spec, candidate=candidate, reference_losses=losses,
                          step_s=None if isinstance(step, str) else step.total_s, gpus=gpus)
 
-    fail_stale = _fail_stale if kind is StorageKind.POSTGRESQL else None
+    fail_stale = _fail_stale if storage_kind(storage) is StorageKind.POSTGRESQL else None
     gate = LaunchGate(budget=spec.budget, worker=worker, created_at=study.user_attrs.get(CREATED_ATTR),
                       fail_stale=fail_stale)
     base = baseline_candidate(spec.training)

@@ -22,6 +22,7 @@ in ``studies/NAME/traces.json``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -34,14 +35,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from launchers.fake_kernels import grouped_mm_for_fake_tensors
 from launchers.json_cache import JsonFileCache
+from launchers.trace_depth import shallow_depths, spec_at_depth, trace_by_depth
 from optimizer.constraints import invalid_reasons
 from optimizer.knobs import Precision, parse_checkpointing, with_knobs
-from optimizer.specs import ActivationSource, TracedActivation, TransformerModel, baseline_candidate
+from optimizer.specs import TracedActivation, TransformerModel, baseline_candidate
 from optimizer.study_file import StudySpec
 
 DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
-TRACE_FORMAT = 3
+TRACE_FORMAT = 4
 """Bumped when :class:`TraceResult` changes, so older cache entries are traced again."""
 WORKING_KINDS = ("Activation", "Temp")
 """MemTracker kinds that are activations (as opposed to parameters, buffers, gradients, optimizer states)."""
@@ -70,6 +73,13 @@ class TraceResult:
     kept_by_op: dict[str, int]
     """``stored_bytes`` by the forward op that made each tensor (``aten.clone``: contiguous copies; …),
     largest first: the trace's own term-by-term account."""
+    joint_segments: tuple[tuple[int, int], ...] = ()
+    """(activations + temporaries, gradients made so far) where their sum peaked, in forward and then in each
+    stretch of backward after 0, 1, …, L blocks' backward completed: the phase-aware join of activations and
+    autograd's gradients (early in backward few gradients exist, late in backward few activations do);
+    :func:`joint_peak` is its maximum. Kept per stretch so shallow copies extend to the full depth."""
+    notes: tuple[str, ...] = ()
+    """What the trace assumed, stated (e.g. how MoE experts were run)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,24 +107,47 @@ def _working(snapshot: dict) -> int:
     return sum(kinds.get(kind, 0) for kind in WORKING_KINDS)
 
 
-def _tracker() -> Any:
-    """A MemTracker that also keeps the activations' high-water mark and its phase (module doc)."""
+def _tracker(blocks: nn.ModuleList | None = None) -> Any:
+    """A MemTracker that also keeps the activations' high-water mark and its phase, and the joint peak of
+    activations + gradients per segment of the step (module doc; :func:`joint_peak`)."""
     from torch.distributed._tools.mem_tracker import MemTracker
+
+    block_ids = {id(block) for block in blocks} if blocks is not None else set()
 
     class HighWaterTracker(MemTracker):
         def __init__(self) -> None:
             super().__init__()
             self.working_peak = 0
             self.working_phase = "forward"
+            self.blocks_done = 0  # decoder blocks whose backward has completed
+            self.segments: list[tuple[int, int]] = [(0, 0)]  # forward, then after 0, 1, … blocks' backward
+
+        def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
+            super()._post_bw_hook(module, args)
+            if id(module) in block_ids:
+                self.blocks_done += 1
 
         def _update_peak_stats(self, peak_state: Any) -> None:  # called after every op's outputs are tracked
             super()._update_peak_stats(peak_state)
-            working = _working(self._curr_mem_snap)
+            kinds = _kinds(self._curr_mem_snap)
+            working = sum(kinds.get(kind, 0) for kind in WORKING_KINDS)
             if working > self.working_peak:
                 self.working_peak = working
                 self.working_phase = "backward" if self._mod_tracker.is_bw else "forward"
+            segment = 1 + self.blocks_done if self._mod_tracker.is_bw else 0
+            while len(self.segments) <= segment:
+                self.segments.append((0, 0))
+            pair = (working, kinds.get("Gradient", 0))
+            if sum(pair) > sum(self.segments[segment]):
+                self.segments[segment] = pair
 
     return HighWaterTracker()
+
+
+def joint_peak(segments: tuple[tuple[int, int], ...] | list[tuple[int, int]]) -> tuple[int, int]:
+    """(activations + temporaries, gradients so far) at the moment their sum peaked, over every segment."""
+    return max(segments, key=sum, default=(0, 0))
+
 
 
 ALLOCATION_GRANULE = 512
@@ -185,8 +218,10 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
     from launchers.workload import build_model, decoder_blocks, load_entry_point
 
     previous = torch.get_default_dtype()
+    notes: list[str] = []
     try:
-        with FakeTensorMode():
+        # what the model prints goes to stderr: stdout may carry ``--json``
+        with FakeTensorMode(), grouped_mm_for_fake_tensors(notes), contextlib.redirect_stdout(sys.stderr):
             torch.set_default_dtype(DTYPES[precision])
             try:
                 if model_spec.get("entry_point"):
@@ -197,7 +232,8 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
             finally:
                 torch.set_default_dtype(previous)
             tokens = torch.randint(0, int(model_spec.get("vocab_size", 2)), (micro_batch, sequence_length + 1))
-            tracker = _tracker()
+            blocks = decoder_blocks(model)
+            tracker = _tracker(blocks)
             tracker.track_external(model)
             by_op = _kept_by_op_mode([*model.parameters(), *model.buffers(), tokens])
             with tracker:
@@ -207,7 +243,6 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                 kept_by_op = by_op.kept()
                 loss.backward()
             total_peak = _kinds(tracker.get_tracker_snapshot("peak")).get("Total", 0)
-            blocks = decoder_blocks(model)
             blocks_stored = sum(_block_growth(tracker, block) for block in blocks) if blocks is not None else 0
     except Exception as err:  # every failure of a trace is data: the caller falls back to the formula
         return _failure(err)
@@ -217,7 +252,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                        activation_peak_bytes=tracker.working_peak, peak_phase=tracker.working_phase,
                        stored_bytes=stored, blocks_stored_bytes=blocks_stored,
                        blocks=len(blocks) if blocks is not None else 0, total_peak_bytes=total_peak,
-                       kept_by_op=kept_by_op)
+                       kept_by_op=kept_by_op, joint_segments=tuple(tracker.segments), notes=tuple(notes))
 
 
 def _failure(err: Exception) -> TraceFailure:
@@ -240,12 +275,32 @@ class TraceCache(JsonFileCache):
         entry = self.data.get(key)
         if entry is not None:
             try:
-                return TraceResult(**entry["result"]) if entry["ok"] else TraceFailure(**entry["result"])
+                if entry["ok"]:
+                    result = entry["result"]
+                    return TraceResult(**{**result, "notes": tuple(result["notes"]),
+                                          "joint_segments": tuple(tuple(p) for p in result["joint_segments"])})
+                return TraceFailure(**entry["result"])
             except (TypeError, KeyError):  # written by an older format: trace again
                 pass
         result = trace(**kwargs)
         self.store(key, {"ok": isinstance(result, TraceResult), "result": asdict(result)}, indent=1)
         return result
+
+    def holds_model(self, *, model_spec: dict[str, Any], parameters: int | None, **kwargs: Any) -> bool:
+        """Whatever :meth:`trace_model` would trace for these arguments is cached (the shallow copies', or the
+        full model's)."""
+        depths = shallow_depths(int(model_spec["layers"]), kwargs["checkpointing"])
+        specs = [spec_at_depth(model_spec, d) for d in depths] if depths and parameters is not None else []
+        if not specs or any(spec is None for spec in specs):
+            specs = [model_spec]
+        return all(trace_key(model_spec=spec, **kwargs) in self for spec in specs)
+
+    def trace_model(self, *, model_spec: dict[str, Any], parameters: int | None, **kwargs: Any
+                    ) -> TraceResult | TraceFailure:
+        """The trace of the whole model, from two shallow copies where they extend to its ``parameters``
+        (:mod:`launchers.trace_depth`), else at full depth; each copy's trace cached as any other."""
+        return trace_by_depth(lambda spec: self.trace(model_spec=spec, **kwargs), model_spec=model_spec,
+                              checkpointing=kwargs["checkpointing"], parameters=parameters)
 
 
 def cached_trace(*, cache: Path | None, model_spec: dict[str, Any], checkpointing: str, precision: Precision,
@@ -256,18 +311,22 @@ def cached_trace(*, cache: Path | None, model_spec: dict[str, Any], checkpointin
 
 
 def traced_activation(*, cache: TraceCache | Path | None, model_spec: dict[str, Any], checkpointing: str,
-                      precision: Precision, sequence_length: int, micro_batches: tuple[int, ...]) -> TracedActivation:
-    """The ledger's entry: a trace at each of ``micro_batches`` (:class:`optimizer.specs.TracedActivation`)."""
+                      precision: Precision, sequence_length: int, micro_batches: tuple[int, ...],
+                      parameters: int | None = None) -> TracedActivation:
+    """The ledger's entry: a trace at each of ``micro_batches`` (:class:`optimizer.specs.TracedActivation`),
+    from shallow copies of the model when they extend to its ``parameters`` (:meth:`TraceCache.trace_model`)."""
     store = cache if isinstance(cache, TraceCache) else TraceCache(cache)
-    points, phase = [], "backward"
+    points, joints, phase, notes = [], [], "backward", ()
     for micro_batch in sorted(set(micro_batches)):
-        result = store.trace(model_spec=model_spec, checkpointing=checkpointing, precision=precision,
-                             micro_batch=micro_batch, sequence_length=sequence_length)
+        result = store.trace_model(model_spec=model_spec, parameters=parameters, checkpointing=checkpointing,
+                                   precision=precision, micro_batch=micro_batch, sequence_length=sequence_length)
         if isinstance(result, TraceFailure):
             return TracedActivation(checkpointing=checkpointing, precision=precision, failed_op=result.op)
         points.append((micro_batch, result.activation_peak_bytes))
-        phase = result.peak_phase
-    return TracedActivation(checkpointing=checkpointing, precision=precision, points=tuple(points), peak_phase=phase)
+        joints.append((micro_batch, *joint_peak(result.joint_segments)))
+        phase, notes = result.peak_phase, result.notes
+    return TracedActivation(checkpointing=checkpointing, precision=precision, points=tuple(points), peak_phase=phase,
+                            joint_points=tuple(joints), notes=notes)
 
 
 def traceable_options(study: StudySpec) -> list[tuple[str, Precision]]:
@@ -298,18 +357,19 @@ def with_traced_activations(study: StudySpec, *, warn: Callable[[str], None] | N
     line on stderr) naming the op, and the ledger uses the formula there. Other studies come back as they are.
     """
     from launchers.trial import model_dict
+    from optimizer.transformer import parameter_count
 
     model = study.model
-    if not isinstance(model, TransformerModel) or model.activations is not ActivationSource.TRACE \
-            or model.traced_activations:
+    if not isinstance(model, TransformerModel) or not model.wants_trace or model.traced_activations:
         return study
     say = warn or (lambda line: print(line, file=sys.stderr))
     spec = model_dict(model)
     cache = TraceCache(study.output_dir / "traces.json")
     micro_batches = traced_micro_batches(study)
     options = traceable_options(study)
-    missing = sum(trace_key(model_spec=spec, checkpointing=c, precision=p, micro_batch=b,
-                            sequence_length=study.training.sequence_length) not in cache
+    parameters = parameter_count(model)
+    missing = sum(not cache.holds_model(model_spec=spec, parameters=parameters, checkpointing=c, precision=p,
+                                        micro_batch=b, sequence_length=study.training.sequence_length)
                   for c, p in options for b in micro_batches)
     if missing:
         say(f"dsopt: tracing the model on fake tensors: {missing} (checkpointing, precision, micro-batch) "
@@ -317,11 +377,12 @@ def with_traced_activations(study: StudySpec, *, warn: Callable[[str], None] | N
     table = []
     for checkpointing, precision in options:
         entry = traced_activation(cache=cache, model_spec=spec, checkpointing=checkpointing, precision=precision,
-                                  sequence_length=study.training.sequence_length, micro_batches=micro_batches)
+                                  sequence_length=study.training.sequence_length, micro_batches=micro_batches,
+                                  parameters=parameters)
         if entry.failed_op is not None:
-            say(f"warning: {study.path}: model.activations: trace failed for checkpointing={checkpointing} "
-                f"precision={precision} at {entry.failed_op}; the ledger uses the formula there "
-                "(`dsopt trace` shows the error)")
+            say(f"warning: {study.path}: model.activations: {model.activations}: trace failed for "
+                f"checkpointing={checkpointing} precision={precision} at {entry.failed_op}; the ledger uses the "
+                "formula there (`dsopt trace` shows the error)")
         table.append(entry)
     return dataclasses.replace(study, model=dataclasses.replace(model, traced_activations=tuple(table)))
 
@@ -347,8 +408,8 @@ def trace_rows(*, study: StudySpec, cache: Path | None = None) -> list[dict[str,
             "checkpointing": checkpointing, "precision": str(precision), "micro_batch": mbs,
             "formula_bytes": formula.total_bytes, "formula_blocks_stored_bytes": formula.stored_bytes - head,
             "formula_outside_blocks_bytes": head, "formula_parameters": parameter_count(model)}
-        result = store.trace(model_spec=spec, checkpointing=checkpointing, precision=precision, micro_batch=mbs,
-                             sequence_length=seq)
+        result = store.trace_model(model_spec=spec, parameters=parameter_count(model), checkpointing=checkpointing,
+                                   precision=precision, micro_batch=mbs, sequence_length=seq)
         if isinstance(result, TraceFailure):
             row.update(source="formula (trace failed)", failure=asdict(result))
         else:

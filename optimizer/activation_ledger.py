@@ -7,43 +7,63 @@ from __future__ import annotations
 
 from optimizer.knobs import Candidate
 from optimizer.ledger_items import Category, LedgerItem, Location, Phase
-from optimizer.specs import ActivationSource, TransformerModel
+from optimizer.specs import ActivationSource, TracedActivation, TransformerModel
 from optimizer.transformer import activation_estimate
 
 KORTHIKANTI = "Korthikanti et al. 2022 §4 (arXiv 2205.05198)"
 
 
 def activation_source(items: list[LedgerItem] | tuple[LedgerItem, ...]) -> str:
-    """Where the activation lines came from: ``trace``, ``formula``, ``formula (trace failed at OP)`` or
+    """Where the activation lines came from: ``trace``, ``formula``, ``formula (trace failed at OP)``,
+    ``formula (not traced)`` or
     ``study`` — the part of their source before the colon."""
     kinds = sorted({i.source.split(":")[0] for i in items if i.category is Category.ACTIVATIONS})
     return " + ".join(kinds) or "none"
 
 
+def joint_trace(model: TransformerModel, candidate: Candidate) -> TracedActivation | None:
+    """The candidate's successful trace when it carries the joint of activations and gradients, else None."""
+    traced = model.traced_for(candidate.checkpointing, candidate.precision) if model.wants_trace else None
+    return traced if traced is not None and traced.failed_op is None and traced.joint_points else None
+
+
 def activation_items(*, model: TransformerModel, candidate: Candidate, sequence_length: int,
-                     element_bytes: int) -> list[LedgerItem]:
+                     element_bytes: int, joined: bool = False) -> list[LedgerItem]:
     """The activation lines, each saying where its figure came from.
 
-    * ``activations: trace`` with a traced entry: one line, the traced high-water mark of activations and
-      temporaries over forward + backward (recomputed blocks and activation gradients included), scaled
-      linearly in the micro-batch; source ``trace (...)``.
+    * ``activations: trace``/``auto`` with a traced entry: one line, the traced high-water mark of
+      activations and temporaries over forward + backward (recomputed blocks and activation gradients
+      included), scaled linearly in the micro-batch; source ``trace: …`` with what the trace assumed.
+    * ``joined`` (the caller counts autograd's gradients after backward only, :mod:`optimizer.model_states`):
+      two lines at the moment activations + the gradients made so far peaked, as traced — the activations
+      then, and those gradients.
     * otherwise the formula's two lines (kept for backward, + one recomputed block); when the trace failed,
-      the source says at which op.
+      the source says at which op, and an ``auto`` study not traced says so.
     """
-    traced = model.traced_for(candidate.checkpointing, candidate.precision) \
-        if model.activations is ActivationSource.TRACE else None
+    traced = model.traced_for(candidate.checkpointing, candidate.precision) if model.wants_trace else None
     if traced is not None and traced.failed_op is None:
         b = candidate.micro_batch_size
+        how = f"traced at b = {b}" if b in dict(traced.points) else \
+            f"joined from traces at b = {', '.join(str(p[0]) for p in traced.points)}"
+        source = "; ".join([f"trace: the study's model on fake tensors ({candidate.precision})", *traced.notes])
+        joint = traced.joint_at(b) if joined else None
+        if joint is not None:
+            working, grads = joint
+            return [
+                LedgerItem(name=f"activations where activations + gradients peak ({candidate.checkpointing})",
+                           category=Category.ACTIVATIONS, location=Location.GPU, bytes=working, formula=how,
+                           source=source, phase=Phase.BACKWARD),
+                LedgerItem(name="gradients made by that moment of backward", category=Category.GRADS,
+                           location=Location.GPU, bytes=grads, formula=how, source=source, phase=Phase.BACKWARD)]
         return [LedgerItem(
             name=f"activations, traced high-water mark ({candidate.checkpointing}, {traced.peak_phase})",
-            category=Category.ACTIVATIONS, location=Location.GPU, bytes=traced.bytes_at(b),
-            formula=f"traced at b = {b}" if b in dict(traced.points) else
-            f"joined from traces at b = {', '.join(str(p[0]) for p in traced.points)}",
-            source=f"trace: the study's model on fake tensors ({candidate.precision})",
-            phase=Phase.BACKWARD)]
-    if model.activations is ActivationSource.TRACE:
-        why = f"failed at {traced.failed_op}" if traced is not None else "no trace for this granularity"
-        source = f"formula (trace {why}): {KORTHIKANTI}"
+            category=Category.ACTIVATIONS, location=Location.GPU, bytes=traced.bytes_at(b), formula=how,
+            source=source, phase=Phase.BACKWARD)]
+    if traced is not None:
+        source = f"formula (trace failed at {traced.failed_op}): {KORTHIKANTI}"
+    elif model.wants_trace:
+        why = "not traced" if model.activations is ActivationSource.AUTO else "no trace for this granularity"
+        source = f"formula ({why}): {KORTHIKANTI}"
     else:
         source = f"formula: {KORTHIKANTI}"
     act = activation_estimate(model, checkpointing=candidate.checkpointing, seq=sequence_length,

@@ -20,7 +20,7 @@ from optimizer.errors import EXIT_USER_ERROR, UserError
 from optimizer.knobs import KNOB_NAMES, Candidate, parse_knob
 from optimizer.ledger import evaluate
 from optimizer.ledger_report import all_json, all_table, ledger_json, ledger_table, throughput_lines
-from optimizer.specs import ActivationSource, SeedModel, TransformerModel, baseline_candidate
+from optimizer.specs import SeedModel, TransformerModel, baseline_candidate
 from optimizer.storage import load_stored_study, redact
 from optimizer.study_file import StudySpec, load_study
 from optimizer.throughput import StepTime, predict_candidate
@@ -67,10 +67,11 @@ def _counted(study: StudySpec) -> StudySpec:
 def _study(path: str) -> StudySpec:
     """The study file, with the parameter inventory of a ``transformers`` or entry-point model (built on fake
     tensors, cached; one warning and the shape's layout when it cannot be built) and its model traced when it
-    says ``activations: trace`` (cached; a failed trace warns on stderr and leaves the formula in place)."""
+    says ``activations: trace`` or ``auto``, the default (cached; a failed trace warns on stderr and leaves the
+    formula in place)."""
     study = load_study(path)
     study = _counted(study)
-    if isinstance(study.model, TransformerModel) and study.model.activations is ActivationSource.TRACE:
+    if isinstance(study.model, TransformerModel) and study.model.wants_trace:
         from launchers.trace import with_traced_activations
 
         study = with_traced_activations(study)
@@ -219,7 +220,7 @@ def _runnable_study(path: str, *, slot: WorkerSlot | None = None) -> tuple[Study
     cannot run trials here."""
     from launchers.trial import check_devices
 
-    study = _study(path)
+    study = _counted(load_study(path))  # traced by run_study, once the storage is open
     if isinstance(study.model, SeedModel):
         raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to run; "
                         "studies need model.kind: transformer")
@@ -269,7 +270,10 @@ def _shared_storage(args: argparse.Namespace) -> str:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from launchers.study_run import check_shared_storage
+
     storage = _shared_storage(args)
+    check_shared_storage(storage)  # before the model is counted and traced
     study, gpus = _runnable_study(args.study, slot=args.slot)
     return _run(study, storage, args, parallel=True, gpus=gpus)
 
@@ -277,8 +281,8 @@ def _worker(args: argparse.Namespace) -> int:
 def _slurm_submit(args: argparse.Namespace) -> int:
     from launchers.slurm import STORAGE_VAR, submit
 
-    # traced here first when the study asks, so the array's workers find studies/NAME/traces.json warm
-    study = load_study(args.study) if args.dry_run else _study(args.study)
+    # traced by submit() once the storage is checked, so the array's workers find studies/NAME/traces.json warm
+    study = load_study(args.study) if args.dry_run else _counted(load_study(args.study))
     if isinstance(study.model, SeedModel):
         raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to run; "
                         "studies need model.kind: transformer")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from optimizer.activation_ledger import activation_items
+from optimizer.activation_ledger import activation_items, joint_trace
 from optimizer.constraints import gradient_accumulation_steps
 from optimizer.init_ledger import construction_moments, init_items, init_moments, moment_bytes, parameter_location
 from optimizer.knobs import Candidate, OffloadDevice, Precision, ZeroStage
@@ -112,13 +112,18 @@ def _item(name: str, category: Category, location: Location, num_bytes: int, for
                       source=source, phase=phase)
 
 
-def _stage0(z: _Sizes, precision: Precision) -> list[LedgerItem]:
-    """Stage 0: FusedAdam directly (fp32), or ``FP16_Optimizer`` with a flat FP32 master (bf16/fp16)."""
+def _stage0(z: _Sizes, precision: Precision, *, joined: bool) -> list[LedgerItem]:
+    """Stage 0: FusedAdam directly (fp32), or ``FP16_Optimizer`` with a flat FP32 master (bf16/fp16). With
+    ``joined`` the gradients autograd makes during backward are in the traced joint line, so the full ones are
+    counted after backward only (``engine.py:3495-3500`` sets every ``.grad`` to None after the step)."""
     g, psi = z.g, z.psi
     flatten = g * min(psi, STAGE0_ALLREDUCE_ELEMENTS + z.largest_tensor)
+    grads = [_item(f"{precision} gradients", Category.GRADS, Location.GPU, g * psi, f"{g}Ψ",
+                   f"{DS} engine.py (autograd)", phase) for phase in (Phase.REDUCE, Phase.STEP)] if joined else \
+        [_item(f"{precision} gradients", Category.GRADS, Location.GPU, g * psi, f"{g}Ψ", f"{DS} engine.py (autograd)")]
     items = [
         _item(f"{precision} parameters", Category.PARAMS, Location.GPU, g * psi, f"{g}Ψ", f"{DS} engine.py"),
-        _item(f"{precision} gradients", Category.GRADS, Location.GPU, g * psi, f"{g}Ψ", f"{DS} engine.py (autograd)"),
+        *grads,
         _item("Adam exp_avg + exp_avg_sq (fp32)", Category.OPTIMIZER, Location.GPU, ADAM_STATE_BYTES * psi, "8Ψ",
               "ZeRO paper §3; fused_adam.py:153-157"),
         _item("allreduce flatten (≤ 5e8 + Lₜ elements)", Category.BUFFERS, Location.GPU, flatten,
@@ -134,8 +139,9 @@ def _stage0(z: _Sizes, precision: Precision) -> list[LedgerItem]:
     return items
 
 
-def _stage12(z: _Sizes, candidate: Candidate, settings: ZeroSettings) -> list[LedgerItem]:
-    """ZeRO-1/2 (``DeepSpeedZeroOptimizer``), optionally with the optimizer on the CPU."""
+def _stage12(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, joined: bool) -> list[LedgerItem]:
+    """ZeRO-1/2 (``DeepSpeedZeroOptimizer``), optionally with the optimizer on the CPU. With ``joined`` (stage 1)
+    the full gradients of backward are in the traced joint line."""
     g, p, sigma = z.g, z.p, z.sigma
     stage1 = candidate.zero_stage is ZeroStage.OPTIMIZER
     offload = candidate.offload_optimizer is OffloadDevice.CPU
@@ -150,7 +156,7 @@ def _stage12(z: _Sizes, candidate: Candidate, settings: ZeroSettings) -> list[Le
     ]
     if stage1:
         # Full low-precision gradients until the boundary reduction clears them (:1067).
-        for phase in (Phase.BACKWARD, Phase.REDUCE):
+        for phase in (Phase.REDUCE,) if joined else (Phase.BACKWARD, Phase.REDUCE):
             items.append(_item(f"{prec} gradients (full, until reduced)", Category.GRADS, Location.GPU,
                                g * z.psi, f"{g}Ψ", f"{STAGE12}:1067", phase))
     state_place = Location.HOST if offload else Location.GPU
@@ -298,15 +304,19 @@ def transformer_items(
     settings = zero_settings(model=model, stage=candidate.zero_stage)
     z = _sizes(model=model, candidate=candidate, hardware=hardware, training=training, settings=settings)
     stage = candidate.zero_stage
+    # Autograd's own .grad tensors grow during backward at stages 0 and 1 (one micro-batch per step: with
+    # more, the earlier micro-batches' gradients are all there when the next backward starts).
+    joined = stage in (ZeroStage.DISABLED, ZeroStage.OPTIMIZER) and z.gas == 1 \
+        and candidate.offload_optimizer is OffloadDevice.NONE and joint_trace(model, candidate) is not None
     if stage is ZeroStage.DISABLED:
-        items = _stage0(z, candidate.precision)
+        items = _stage0(z, candidate.precision, joined=joined)
     elif stage is ZeroStage.PARAMETERS:
         items = _stage3(z, candidate, settings)
     else:
-        items = _stage12(z, candidate, settings)
+        items = _stage12(z, candidate, settings, joined=joined)
 
     items += activation_items(model=model, candidate=candidate, sequence_length=training.sequence_length,
-                              element_bytes=z.g)
+                              element_bytes=z.g, joined=joined)
     moments = init_moments(candidate=candidate, construction=training.construction(stage), psi=z.psi,
                            padded=z.padded, p=z.p, q=z.q, s=z.s, largest_tensor=z.largest_tensor,
                            largest_module=z.largest_module, tied=z.tied, bucket=z.bucket,

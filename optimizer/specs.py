@@ -85,6 +85,8 @@ class ActivationSource(StrEnum):
     """Korthikanti et al. 2022, generalised term by term (:mod:`optimizer.transformer`)."""
     TRACE = "trace"
     """The study's own model run on fake tensors (:mod:`launchers.trace`), the formula where a trace failed."""
+    AUTO = "auto"
+    """The trace where the model can be traced (a study file's default), the formula with a warning elsewhere."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,26 +110,49 @@ class TracedActivation:
     """``forward`` or ``backward``: where the high-water mark was (at the largest micro-batch)."""
     failed_op: str | None = None
     """Set when the trace failed: the op (or error) that stopped it; the ledger then uses the formula."""
+    joint_points: tuple[tuple[int, int, int], ...] = ()
+    """(micro-batch, activations + temporaries, gradients made so far) at the moment their sum peaked: the
+    phase-aware join of activations and autograd's gradients (:mod:`launchers.trace`); empty when not traced."""
+    notes: tuple[str, ...] = ()
+    """What the trace assumed or how it was taken (MoE experts, depths extended), stated in the ledger."""
 
     def __post_init__(self) -> None:
         _coerce_enums(self, precision=Precision)
         object.__setattr__(self, "points", tuple(sorted((int(b), int(n)) for b, n in self.points)))
+        object.__setattr__(self, "joint_points",
+                           tuple(sorted((int(b), int(w), int(g)) for b, w, g in self.joint_points)))
+        object.__setattr__(self, "notes", tuple(str(n) for n in self.notes))
         if self.failed_op is None and not self.points:
             raise ValueError("a traced activation needs at least one (micro-batch, bytes) point")
 
     def bytes_at(self, micro_batch: int) -> int:
         """Activation high-water mark at ``micro_batch`` samples: traced, or joined from the nearest two."""
-        exact = dict(self.points)
-        if micro_batch in exact:
-            return exact[micro_batch]
-        if len(self.points) == 1:
-            b, n = self.points[0]
-            return -(-n * micro_batch // b)
-        below = [p for p in self.points if p[0] < micro_batch]
-        above = [p for p in self.points if p[0] > micro_batch]
-        (b0, n0), (b1, n1) = (below[-1], above[0]) if below and above else \
-            (self.points[-2], self.points[-1]) if below else (self.points[0], self.points[1])
-        return max(0, round(n0 + (n1 - n0) * (micro_batch - b0) / (b1 - b0)))
+        return _joined(self.points, micro_batch)
+
+    def joint_at(self, micro_batch: int) -> tuple[int, int] | None:
+        """(activations, gradients so far) at the joint peak for ``micro_batch`` samples, as :meth:`bytes_at`
+        joins points; None without joint points."""
+        if not self.joint_points:
+            return None
+        working = _joined(tuple((b, w) for b, w, _ in self.joint_points), micro_batch)
+        grads = _joined(tuple((b, g) for b, _, g in self.joint_points), micro_batch)
+        return working, grads
+
+
+def _joined(points: tuple[tuple[int, int], ...], micro_batch: int) -> int:
+    """The value at ``micro_batch``: a traced point's, else the line through the nearest two (one point: in
+    proportion to the micro-batch)."""
+    exact = dict(points)
+    if micro_batch in exact:
+        return exact[micro_batch]
+    if len(points) == 1:
+        b, n = points[0]
+        return -(-n * micro_batch // b)
+    below = [p for p in points if p[0] < micro_batch]
+    above = [p for p in points if p[0] > micro_batch]
+    (b0, n0), (b1, n1) = (below[-1], above[0]) if below and above else \
+        (points[-2], points[-1]) if below else (points[0], points[1])
+    return max(0, round(n0 + (n1 - n0) * (micro_batch - b0) / (b1 - b0)))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -202,7 +227,7 @@ class TransformerModel:
     activations: ActivationSource = ActivationSource.FORMULA
     """Where the ledger's activation bytes come from."""
     traced_activations: tuple[TracedActivation, ...] = ()
-    """Filled by :func:`launchers.trace.with_traced_activations` when ``activations`` is ``trace``."""
+    """Filled by :func:`launchers.trace.with_traced_activations` when ``activations`` is ``trace`` or ``auto``."""
     inventory: ParameterInventory | None = None
     """Every parameter as the model's own code builds it (:mod:`optimizer.inventory`), filled by
     :func:`launchers.inventory.with_inventory` for ``hf_config`` and ``entry_point`` models; when set, the
@@ -232,6 +257,11 @@ class TransformerModel:
     def head_dim(self) -> int:
         """Width of one attention head, h / a."""
         return self.hidden_size // self.heads
+
+    @property
+    def wants_trace(self) -> bool:
+        """``activations`` asks for the trace (``trace`` or ``auto``)."""
+        return self.activations is not ActivationSource.FORMULA
 
     def traced_for(self, checkpointing: Checkpointing, precision: Precision) -> TracedActivation | None:
         """The traced entry for this granularity and precision (failed ones included), or None."""

@@ -244,7 +244,7 @@ def _parse_model(section: _Section, *, sequence_length: int, study_dir: Path) ->
             model = TransformerModel(
                 **_hf_shape(section, study_dir=study_dir),
                 attention=section.get("attention", _enum(AttentionKind), AttentionKind.EAGER),
-                activations=section.get("activations", _enum(ActivationSource), ActivationSource.FORMULA),
+                activations=section.get("activations", _enum(ActivationSource), ActivationSource.AUTO),
             )
         else:
             heads = section.get("heads", _positive_int)
@@ -265,7 +265,7 @@ def _parse_model(section: _Section, *, sequence_length: int, study_dir: Path) ->
                 dropout=section.get("dropout", _bool, True),
                 max_positions=section.get("max_positions", _positive_int, sequence_length),
                 entry_point=section.get("entry_point", _entry_point, None),
-                activations=section.get("activations", _enum(ActivationSource), ActivationSource.FORMULA),
+                activations=section.get("activations", _enum(ActivationSource), ActivationSource.AUTO),
             )
     except ValueError as err:
         raise _spec_error(section, err) from None

@@ -209,9 +209,14 @@ def test_the_inventory_round_trips_and_compares_by_content():
         ParameterInventory(tensors=())
 
 
-def test_shape_only_studies_keep_the_ledger_free_of_torch(capsys):
-    # the inventory is taken only for models built by code the shape does not describe
-    code = ("import sys; from optimizer.cli import main; main(['ledger', 'studies/cpu-tiny.yaml']); "
+def test_shape_only_studies_with_the_formula_keep_the_ledger_free_of_torch(tmp_path):
+    # the inventory is taken only for models built by code the shape does not describe, and the trace (the
+    # default, activations: auto) only when asked: a shape-only study with the formula never imports torch
+    raw = yaml.safe_load((ROOT / "studies" / "cpu-tiny.yaml").read_text())
+    raw["model"]["activations"] = "formula"
+    path = tmp_path / "cpu-tiny.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    code = (f"import sys; from optimizer.cli import main; main(['ledger', {str(path)!r}]); "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     import subprocess
 

@@ -1,0 +1,63 @@
+"""Fake-tensor stand-ins for kernels whose meta implementation refuses what the real kernel runs.
+
+``torch.nn.functional.grouped_mm`` — how ``transformers`` ≥ 5 runs MoE experts (``integrations/moe.py``,
+``grouped_mm_experts_forward``: every token's top-k rows sorted by expert and multiplied in one grouped matmul)
+— has a CPU kernel for FP32 and FP16 since torch 2.9, but its meta function (``torch/_meta_registrations.py``,
+``_meta_grouped_mm_common``) insists on BF16 inputs, so an FP32 trace of Mixtral stops there although the
+real trial runs. Inside a trace, :func:`grouped_mm_for_fake_tensors` replaces it for non-BF16 inputs with an
+autograd function of the same memory: the output ``(rows, N)`` in the input's dtype, the inputs saved for
+backward (as ``aten._grouped_mm``'s derivative saves ``self`` and ``mat2``), gradients shaped like them.
+BF16 inputs keep the library's own function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+GROUPED_NOTE = ("MoE experts traced as transformers runs them (grouped_mm over every token's top-k rows): the "
+                "memory does not depend on the routing")
+"""Stated with every trace that ran a grouped matmul."""
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """``(S, K) @ grouped (E, K, N) -> (S, N)``: shapes and saved tensors only (module doc)."""
+
+    @staticmethod
+    def forward(ctx: Any, mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(mat_a, mat_b)
+        return mat_a.new_empty((mat_a.shape[0], mat_b.shape[-1]))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        mat_a, mat_b = ctx.saved_tensors
+        return torch.empty_like(mat_a), torch.empty_like(mat_b), None
+
+
+@contextlib.contextmanager
+def grouped_mm_for_fake_tensors(seen: list[str]) -> Iterator[None]:
+    """Within the block, non-BF16 2-D × 3-D grouped matmuls run :class:`_GroupedMatmul`; each call (either
+    path) appends :data:`GROUPED_NOTE` to ``seen`` once."""
+    functional = torch.nn.functional
+    original = getattr(functional, "grouped_mm", None)
+    if original is None:
+        yield
+        return
+
+    def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, *, offs: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if GROUPED_NOTE not in seen:
+            seen.append(GROUPED_NOTE)
+        if mat_a.dtype is torch.bfloat16 or offs is None or bias is not None or out_dtype is not None \
+                or mat_a.dim() != 2 or mat_b.dim() != 3:
+            return original(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+        return _GroupedMatmul.apply(mat_a, mat_b, offs)
+
+    functional.grouped_mm = grouped_mm
+    try:
+        yield
+    finally:
+        functional.grouped_mm = original
