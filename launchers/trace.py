@@ -78,6 +78,10 @@ class TraceResult:
     stretch of backward after 0, 1, …, L blocks' backward completed: the phase-aware join of activations and
     autograd's gradients (early in backward few gradients exist, late in backward few activations do);
     :func:`joint_peak` is its maximum. Kept per stretch so shallow copies extend to the full depth."""
+    working_segments: tuple[int, ...] = ()
+    """The activations' high-water mark in the same stretches (``activation_peak_bytes`` is their maximum):
+    within a stretch every moment grows alike with the depth, between stretches not (the embedding's backward
+    is the same at any depth, the start of backward grows with it)."""
     notes: tuple[str, ...] = ()
     """What the trace assumed, stated (e.g. how MoE experts were run)."""
 
@@ -121,6 +125,7 @@ def _tracker(blocks: nn.ModuleList | None = None) -> Any:
             self.working_phase = "forward"
             self.blocks_done = 0  # decoder blocks whose backward has completed
             self.segments: list[tuple[int, int]] = [(0, 0)]  # forward, then after 0, 1, … blocks' backward
+            self.working_segments: list[int] = [0]  # the same stretches' activation high-water marks
 
         def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
             super()._post_bw_hook(module, args)
@@ -137,6 +142,8 @@ def _tracker(blocks: nn.ModuleList | None = None) -> Any:
             segment = 1 + self.blocks_done if self._mod_tracker.is_bw else 0
             while len(self.segments) <= segment:
                 self.segments.append((0, 0))
+                self.working_segments.append(0)
+            self.working_segments[segment] = max(self.working_segments[segment], working)
             pair = (working, kinds.get("Gradient", 0))
             if sum(pair) > sum(self.segments[segment]):
                 self.segments[segment] = pair
@@ -252,7 +259,8 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                        activation_peak_bytes=tracker.working_peak, peak_phase=tracker.working_phase,
                        stored_bytes=stored, blocks_stored_bytes=blocks_stored,
                        blocks=len(blocks) if blocks is not None else 0, total_peak_bytes=total_peak,
-                       kept_by_op=kept_by_op, joint_segments=tuple(tracker.segments), notes=tuple(notes))
+                       kept_by_op=kept_by_op, joint_segments=tuple(tracker.segments),
+                       working_segments=tuple(tracker.working_segments), notes=tuple(notes))
 
 
 def _failure(err: Exception) -> TraceFailure:
@@ -278,7 +286,8 @@ class TraceCache(JsonFileCache):
                 if entry["ok"]:
                     result = entry["result"]
                     return TraceResult(**{**result, "notes": tuple(result["notes"]),
-                                          "joint_segments": tuple(tuple(p) for p in result["joint_segments"])})
+                                          "joint_segments": tuple(tuple(p) for p in result["joint_segments"]),
+                                          "working_segments": tuple(result["working_segments"])})
                 return TraceFailure(**entry["result"])
             except (TypeError, KeyError):  # written by an older format: trace again
                 pass

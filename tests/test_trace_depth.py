@@ -1,0 +1,147 @@
+"""Deep models traced from two shallow copies (launchers/trace_depth.py), the joint of activations and gradients,
+and MoE experts traced in every precision — each checked against a full-depth trace of the same model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from launchers.fake_kernels import GROUPED_NOTE
+from launchers.trace import TraceCache, TraceResult, joint_peak, trace, traced_activation
+from launchers.trace_depth import shallow_depths, spec_at_depth
+from launchers.trial import model_dict
+from optimizer.knobs import Precision, ZeroStage, with_knobs
+from optimizer.ledger import compute_ledger
+from optimizer.ledger_items import Category, Phase
+from optimizer.specs import ActivationSource, baseline_candidate
+from optimizer.study_file import load_study
+from optimizer.transformer import parameter_count
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = json.loads((ROOT / "tests" / "data" / "hf_families.json").read_text())
+KW = {"micro_batch": 2, "sequence_length": 32}
+
+
+def _hf_spec(family: str, layers: int) -> dict:
+    config = dict(FAMILIES[family]["config"])
+    for key in ("num_hidden_layers", "n_layer"):
+        if key in config:
+            config[key] = layers
+    if "layer_types" in config:
+        config["layer_types"] = (config["layer_types"] * layers)[:layers]
+    return {"layers": layers, "attention": "eager", "vocab_size": config["vocab_size"], "hf_config": config,
+            "entry_point": None}
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    study = load_study(ROOT / "studies" / "gpt2-tiny-cpu.yaml")
+    return model_dict(replace(study.model, layers=7, max_positions=64))
+
+
+def test_shallow_depths_keep_the_remainder_and_step_one_period():
+    # by hand from the rule L1 = 2P + (L mod P), L2 = L1 + P, used only when L2 < L
+    assert shallow_depths(80, "none") == (2, 3) and shallow_depths(80, "full") == (2, 3)
+    assert shallow_depths(80, "every_3") == (8, 11) and shallow_depths(9, "every_2") == (5, 7)
+    assert shallow_depths(7, "every_2") is None  # 5 and 7: no shallower than the model itself
+    assert shallow_depths(3, "none") is None and shallow_depths(7, "every_3") is None
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "every_2"])
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
+def test_the_extended_trace_equals_the_full_depth_trace(gpt, checkpointing, precision):
+    for spec in (gpt, _hf_spec("qwen2", 8)):
+        full = trace(model_spec=spec, checkpointing=checkpointing, precision=precision, **KW)
+        assert isinstance(full, TraceResult)
+        depths = shallow_depths(spec["layers"], checkpointing)
+        if depths is None:
+            continue
+        extended = TraceCache(None).trace_model(model_spec=spec, parameters=full.parameters,
+                                                checkpointing=checkpointing, precision=precision, **KW)
+        assert extended.notes[-1].startswith(f"traced at depths {depths[0]} and {depths[1]}")
+        for name in ("parameters", "activation_peak_bytes", "stored_bytes", "blocks_stored_bytes", "blocks"):
+            assert getattr(extended, name) == getattr(full, name), name
+        assert joint_peak(extended.joint_segments) == joint_peak(full.joint_segments)
+
+
+def test_a_depth_dependent_structure_is_traced_at_full_depth():
+    # qwen2_moe with decoder_sparse_step 2: MoE on every second layer, so three layers do not extend like two
+    config = {**FAMILIES["qwen2"]["config"], "model_type": "qwen2_moe", "num_hidden_layers": 5,
+              "decoder_sparse_step": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+              "shared_expert_intermediate_size": 32}
+    spec = {"layers": 5, "attention": "eager", "vocab_size": config["vocab_size"], "hf_config": config,
+            "entry_point": None}
+    full = trace(model_spec=spec, checkpointing="none", precision=Precision.BF16, **KW)
+    assert isinstance(full, TraceResult)
+    result = TraceCache(None).trace_model(model_spec=spec, parameters=full.parameters, checkpointing="none",
+                                          precision=Precision.BF16, **KW)
+    assert result == full and not any(n.startswith("traced at depths") for n in result.notes)
+
+
+def test_an_entry_point_is_traced_as_it_is():
+    assert spec_at_depth({"layers": 8, "entry_point": "m:f"}, 2) is None
+    nested = spec_at_depth({"layers": 8, "hf_config": {"model_type": "x", "text_config": {"num_hidden_layers": 8,
+                                                                                           "layer_types": [1] * 8}}}, 3)
+    assert nested["hf_config"]["text_config"] == {"num_hidden_layers": 3, "layer_types": [1, 1, 1]}
+
+
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
+def test_moe_experts_trace_in_every_precision_and_say_so(precision):
+    result = trace(model_spec=_hf_spec("mixtral", 2), checkpointing="none", precision=precision, **KW)
+    assert isinstance(result, TraceResult) and GROUPED_NOTE in result.notes
+    # what the experts' grouped matmuls keep: the gate/up output (S·k, 2f) and the down output (S·k, h) of
+    # each layer, S = 2·32 tokens, k = 2 experts per token (tests/data/hf_families.json's mixtral)
+    config = FAMILIES["mixtral"]["config"]
+    rows = 2 * 32 * config["num_experts_per_tok"]
+    size = 4 if precision is Precision.FP32 else 2
+    grouped = sum(v for k, v in result.kept_by_op.items() if k in ("aten.new_empty", "aten._grouped_mm"))
+    expected = 2 * rows * (2 * config["intermediate_size"] + config["hidden_size"]) * size
+    assert grouped == pytest.approx(expected, rel=0.02)
+
+
+def test_the_joint_of_activations_and_gradients_lies_between_its_parts(gpt):
+    result = trace(model_spec=gpt, checkpointing="none", precision=Precision.FP32, **KW)
+    working, grads = joint_peak(result.joint_segments)
+    gradients = 4 * result.parameters
+    assert result.activation_peak_bytes <= working + grads <= result.activation_peak_bytes + gradients + 512 * 64
+    assert len(result.joint_segments) == gpt["layers"] + 2  # forward, after 0..L blocks' backward
+    assert working + grads >= gradients  # every gradient exists once backward ends
+    assert max(result.working_segments) == result.activation_peak_bytes
+
+
+def test_zero0_counts_the_gradients_made_by_the_joint_moment(tmp_path):
+    study = load_study(ROOT / "studies" / "llama-tiny-cpu.yaml")
+    study = dataclasses.replace(study, path=tmp_path / "llama-tiny-cpu.yaml",
+                                training=dataclasses.replace(study.training, global_batch_size=8, micro_batch_size=4))
+    model = study.model
+    entry = traced_activation(cache=None, model_spec=model_dict(model), checkpointing="none",
+                              precision=Precision.FP32, sequence_length=study.training.sequence_length,
+                              micro_batches=(4,), parameters=parameter_count(model))
+    traced = replace(model, activations=ActivationSource.TRACE, traced_activations=(entry,))
+    candidate = with_knobs(baseline_candidate(study.training), {"zero_stage": 0, "micro_batch_size": 4})
+    spec = {"hardware": study.hardware, "training": study.training}
+    assert study.hardware.world_size * 4 == 8  # one micro-batch a step: the join applies
+    joined = compute_ledger(candidate=candidate, model=traced, **spec)
+    unjoined = replace(traced, traced_activations=(replace(entry, joint_points=()),))
+    plain = compute_ledger(candidate=candidate, model=unjoined, **spec)  # the mark beside every gradient
+    working, grads = entry.joint_at(4)
+    backward = [i for i in joined.items if i.phase is Phase.BACKWARD]
+    assert sorted(i.bytes for i in backward) == sorted([working, grads])
+    assert {i.category for i in backward} == {Category.ACTIVATIONS, Category.GRADS}
+    full_grads = [i for i in joined.items if i.category is Category.GRADS and i.phase is not Phase.BACKWARD]
+    assert {i.phase for i in full_grads} == {Phase.REDUCE, Phase.STEP}
+    assert joined.phase_totals()["backward"] <= plain.phase_totals()["backward"]
+    assert plain.phase_totals()["backward"] - joined.phase_totals()["backward"] == \
+        entry.bytes_at(4) + 4 * parameter_count(model) - working - grads
+    # with two micro-batches a step the first one's gradients are all there in the second's backward
+    accumulating = with_knobs(candidate, {"micro_batch_size": 2})
+    assert accumulating.zero_stage is ZeroStage.DISABLED
+    entry2 = traced_activation(cache=None, model_spec=model_dict(model), checkpointing="none",
+                               precision=Precision.FP32, sequence_length=study.training.sequence_length,
+                               micro_batches=(2,), parameters=parameter_count(model))
+    ledger = compute_ledger(candidate=accumulating, model=replace(traced, traced_activations=(entry2,)), **spec)
+    assert not any(i.name.startswith("gradients made by") for i in ledger.items)
