@@ -1,18 +1,20 @@
 """Traces of a deep model from two shallow copies of it, so a 70B model traces in seconds (issue 14).
 
-A decoder's activations are what lies outside the blocks (embeddings, final norm, logits, loss) plus what
-each block keeps, and the blocks repeat: with checkpointing period P (1 for ``none``, ``full`` and
-``selective``; K for ``every_K``, whose blocks K, 2K, … are recomputed) every P more blocks add the same bytes
-at every moment of the step. So every figure of one stretch of the step (forward; backward after k blocks' backward completed)
+A decoder's activations are what lies outside the blocks (embeddings, final norm, logits, loss) plus what each
+block keeps, and the blocks repeat: with checkpointing period P (1 for ``none``, ``full`` and ``selective``;
+K for ``every_K``, whose blocks K, 2K, … are recomputed) every P more blocks add the same bytes at every moment
+of the step. So every figure of one stretch of the step (forward; backward after k blocks' backward completed)
 is linear in the depth L over depths of the same remainder mod P: traced at L₁ = 2P + r and L₂ = 3P + r
 (r = L mod P; the last blocks, where backward starts, are then the same as the full model's), the figure at L
 is ``f(L₁) + (f(L₂) − f(L₁))·(L − L₁)/P``. The high-water mark is the largest stretch's, extended stretch by
-stretch: across stretches the mark moves (measured: gpt2-tiny, 2 × 32 tokens, at depth 2 the embedding's
-backward holds it, a moment that does not grow with depth; from depth 3 the start of backward does, growing
-by one block's activations per block — extending the overall mark from depths 2 and 3 was 3.7 % under at 7). A depth-dependent structure the copies would miss (dense first
-layers, MoE every other layer, a per-layer list the copy cannot cut) shows as a parameter count that does not
-extrapolate to the full model's: the model is then traced at its full depth. Tested against full-depth
-traces (``tests/test_trace.py``).
+stretch, because across stretches the mark moves. Measured on gpt2-tiny (2 × 32 tokens): at depth 2 the
+embedding's backward holds it, a moment that does not grow with depth; from depth 3 on the start of backward
+does, one block's activations more per block; extending the overall mark from depths 2 and 3 was 3.7 % under
+at depth 7, extending each stretch is exact.
+
+A depth-dependent structure the copies would miss (dense first layers, MoE every other layer, a per-layer
+list the copy cannot cut) shows as a parameter count that does not extend to the full model's: the model is
+then traced at its full depth. Tested against full-depth traces (``tests/test_trace_depth.py``).
 
 The built-in GPT's depth is ``layers``; a transformers config's the first of :data:`LAYER_KEYS` equal to the
 model's depth (in ``text_config`` when the model has one), with every per-layer list (a list of L entries,
