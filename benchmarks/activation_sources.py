@@ -5,7 +5,9 @@
 Default: benchmarks/data/grid-cpu.json (the built-in tiny GPT, 84 real runs, issue 6) and
 benchmarks/data/llama-tiny-cpu.json (a transformers Llama from a local config: SwiGLU, RMSNorm, GQA, rotary;
 recorded with ``python benchmarks/record_grid.py studies/llama-tiny-cpu.yaml --out
-benchmarks/data/llama-tiny-cpu.json``). For every measured run of a recorded grid it computes the ledger
+benchmarks/data/llama-tiny-cpu.json``), then the transformers families of ``benchmarks/hf_families.py --record``
+(``benchmarks/data/families/*.json``: gpt2, qwen2, gemma, gemma2, phi3, mixtral, opt; ZeRO 0 and 3, fp32 and
+bf16). For every measured run of a recorded grid it computes the ledger
 twice — activations from the formula and from the trace (``dsopt trace``'s figures, cached in the study's
 ``traces.json``) — and prints each prediction's error against the measured per-rank peak, then a summary.
 
@@ -28,6 +30,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from launchers.inventory import with_inventory
 from launchers.trace import trace_rows, with_traced_activations
 from optimizer.knobs import with_knobs
 from optimizer.ledger import compute_ledger
@@ -36,7 +39,10 @@ from optimizer.study_file import load_study
 from optimizer.transformer import layer_terms
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT = (ROOT / "benchmarks" / "data" / "grid-cpu.json", ROOT / "benchmarks" / "data" / "llama-tiny-cpu.json")
+DEFAULT = (ROOT / "benchmarks" / "data" / "grid-cpu.json", ROOT / "benchmarks" / "data" / "llama-tiny-cpu.json",
+           *sorted(p for p in (ROOT / "benchmarks" / "data" / "families").glob("*.json")
+                   if not p.name.endswith(".config.json")))
+"""The two recorded grids, then every family's runs recorded by ``benchmarks/hf_families.py --record``."""
 
 
 def per_rank_prediction(ledger) -> int:
@@ -46,7 +52,7 @@ def per_rank_prediction(ledger) -> int:
 
 def compare(grid: Path) -> dict[str, list[float]]:
     data = json.loads(grid.read_text())
-    study = load_study(ROOT / data["study_file"])
+    study = with_inventory(load_study(ROOT / data["study_file"]))  # parameters as the model's code builds them
     sources = {name: dataclasses.replace(study.model, activations=source)
                for name, source in (("formula", ActivationSource.FORMULA), ("trace", ActivationSource.TRACE))}
     sources["trace"] = with_traced_activations(dataclasses.replace(study, model=sources["trace"])).model

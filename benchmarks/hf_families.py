@@ -8,6 +8,10 @@ bf16), one real DeepSpeed trial on 2 CPU ranks (:func:`launchers.trial.run_trial
 the per-rank live-tensor peak of training (from the first step) and of the init phase. Beside it, the ledger's
 predictions with the parameter inventory (the model itself) and activations from the trace and from the formula.
 Prints one markdown table and the errors' summary; asserts nothing. About 15-25 s per trial on 2 cores.
+
+``--record`` also writes each family's study (``benchmarks/data/families/FAMILY.yaml`` and its config.json) and
+its runs in ``benchmarks/record_grid.py``'s format (``benchmarks/data/families/FAMILY.json``), which
+``benchmarks/activation_sources.py`` compares formula and trace over.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from record_grid import machine  # noqa: E402
+
 from launchers.inventory import with_inventory  # noqa: E402
 from launchers.trace import with_traced_activations  # noqa: E402
 from launchers.trial import run_trial  # noqa: E402
@@ -36,6 +42,8 @@ from optimizer.specs import ActivationSource, baseline_candidate  # noqa: E402
 from optimizer.study_file import StudySpec, load_study  # noqa: E402
 from optimizer.trial_result import Outcome  # noqa: E402
 from optimizer.versions import installed_versions  # noqa: E402
+
+RECORDED = ROOT / "benchmarks" / "data" / "families"
 
 CANDIDATES = {"z0-fp32": {"zero_stage": 0}, "z0-bf16": {"zero_stage": 0, "precision": "bf16"},
               "z3-fp32": {"zero_stage": 3}, "z3-bf16": {"zero_stage": 3, "precision": "bf16"}}
@@ -70,6 +78,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default=",".join(families))
     parser.add_argument("--candidates", default=",".join(CANDIDATES))
+    parser.add_argument("--record", action="store_true", help=f"write the studies and runs under {RECORDED}")
     args = parser.parse_args()
     versions = installed_versions()
     print(f"{datetime.date.today()} · {platform.machine()} · 2 CPU ranks · torch {versions['torch']}, deepspeed "
@@ -81,12 +90,18 @@ def main() -> int:
     errors: dict[str, list[float]] = {"trace": [], "formula": [], "init": []}
     with tempfile.TemporaryDirectory(prefix="dsopt-families-") as tmp:
         for family in args.families.split(","):
-            study = _study(Path(tmp), family, families[family])
+            folder = RECORDED if args.record else Path(tmp)
+            folder.mkdir(parents=True, exist_ok=True)
+            study = _study(folder, family, families[family])
+            runs: list[dict] = []
             formula = dataclasses.replace(study.model, activations=ActivationSource.FORMULA)
             psi = study.model.inventory.parameters if study.model.inventory else None
             for name in args.candidates.split(","):
                 candidate = with_knobs(baseline_candidate(study.training), CANDIDATES[name])
                 result = run_trial(study=study, candidate=candidate)
+                runs.append({"label": name, "knobs": CANDIDATES[name], "outcome": str(result.outcome),
+                             "measured_peak_bytes": result.training_peak_memory_bytes
+                             if result.outcome is Outcome.OK else None})
                 if result.outcome is not Outcome.OK:
                     print(f"| {family} | {psi or '-':,} | {name} | {result.outcome}: {result.message[:80]} |"
                           " | | | | | | | |")
@@ -105,6 +120,11 @@ def main() -> int:
                       f"{err['trace']:+.1%} | {_mb(row['formula'])} | {err['formula']:+.1%} | {_mb(init)} | "
                       f"{_mb(row['init'])} | {err['init']:+.1%} |")
                 sys.stdout.flush()
+            if args.record:
+                grid = {"study": study.name, "study_file": str(study.path.relative_to(ROOT)),
+                        "command": " ".join(sys.argv), "started": str(datetime.date.today()), "machine": machine(),
+                        "candidates": runs}
+                (RECORDED / f"{family}.json").write_text(json.dumps(grid, indent=1) + "\n")
     print()
     for key, values in errors.items():
         if values:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -448,6 +449,16 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsopt", description="Search-based optimizer for DeepSpeed configurations.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -473,7 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
     study_run = study_sub.add_parser("run", help="create or resume a study and run trials")
     study_run.add_argument("study", help="study file")
     study_run.add_argument("--n-trials", type=_positive_int, default=None, help="trials to run in this invocation")
-    study_run.add_argument("--timeout", type=float, default=None, help="stop starting trials after S seconds")
+    study_run.add_argument("--timeout", type=_positive_seconds, default=None,
+                           help="stop starting trials after S seconds")
     study_run.add_argument("--storage", default=None,
                            help="Optuna storage URL (default: sqlite file under studies/NAME/)")
     study_run.set_defaults(run=_study_run)
@@ -483,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--storage", default=None, help="shared Optuna storage URL (default: $DSOPT_STORAGE); "
                         "postgresql+psycopg://... or journal:///shared/file.log")
     worker.add_argument("--n-trials", type=_positive_int, default=None, help="at most N trials in this worker")
-    worker.add_argument("--timeout", type=float, default=None, help="stop starting trials after S seconds")
+    worker.add_argument("--timeout", type=_positive_seconds, default=None, help="stop starting trials after S seconds")
     worker.add_argument("--slot", type=_slot, default=None, metavar="K[/N]", help="this worker's share of the "
                         "node's GPUs when several workers share it: GPUs K*g..K*g+g-1 of those visible (g = "
                         "hardware.gpus_per_node), K from 0; K/N also checks that N workers fit (default: "
@@ -532,6 +544,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as err:
         print(f"dsopt: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except BrokenPipeError:  # `dsopt ledger --json | head`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
+        return 0
 
 
 if __name__ == "__main__":

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from optimizer.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GB = 10**9
 
@@ -123,3 +126,22 @@ def test_the_ledger_imports_neither_torch_nor_deepspeed():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_reader_that_stops_early_is_not_an_error():
+    # `dsopt ledger --all --json | head -c 100`: ~100 kB of JSON into a pipe whose reader leaves after 100 bytes
+    proc = subprocess.Popen([sys.executable, "-m", "optimizer.cli", "ledger", "studies/seed-1b-2x24gb.yaml", "--all",
+                             "--json"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(100).startswith(b"{")
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "nan", "inf", "soon"])
+def test_a_timeout_that_is_not_a_positive_number_is_refused(value, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["worker", "studies/cpu-tiny.yaml", "--timeout", value])
+    assert exited.value.code == 2 and "positive number of seconds" in capsys.readouterr().err
