@@ -42,9 +42,11 @@ from optimizer.constraints import invalid_reasons
 from optimizer.knobs import Precision, parse_checkpointing, with_knobs
 from optimizer.specs import TracedActivation, TransformerModel, baseline_candidate
 from optimizer.study_file import StudySpec
+from optimizer.zero3_gather import gathered
+from optimizer.zero_settings import gather_settings
 
 DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
-TRACE_FORMAT = 4
+TRACE_FORMAT = 5
 """Bumped when :class:`TraceResult` changes, so older cache entries are traced again."""
 WORKING_KINDS = ("Activation", "Temp")
 """MemTracker kinds that are activations (as opposed to parameters, buffers, gradients, optimizer states)."""
@@ -82,6 +84,11 @@ class TraceResult:
     """The activations' high-water mark in the same stretches (``activation_peak_bytes`` is their maximum):
     within a stretch every moment grows alike with the depth, between stretches not (the embedding's backward
     is the same at any depth, the start of backward grows with it)."""
+    zero3_gathered_elements: int = 0
+    """The most parameter elements ZeRO-3 would keep gathered at once over this step: DeepSpeed's coordinator
+    replayed over the traced module order (:mod:`optimizer.zero3_gather`)."""
+    zero3_gathered_after_forward: int = 0
+    """Of those, what is gathered when forward ends."""
     notes: tuple[str, ...] = ()
     """What the trace assumed, stated (e.g. how MoE experts were run)."""
 
@@ -111,12 +118,13 @@ def _working(snapshot: dict) -> int:
     return sum(kinds.get(kind, 0) for kind in WORKING_KINDS)
 
 
-def _tracker(blocks: nn.ModuleList | None = None) -> Any:
+def _tracker(blocks: nn.ModuleList | None = None, modules: list[nn.Module] | None = None) -> Any:
     """A MemTracker that also keeps the activations' high-water mark and its phase, and the joint peak of
     activations + gradients per segment of the step (module doc; :func:`joint_peak`)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     block_ids = {id(block) for block in blocks} if blocks is not None else set()
+    module_index = {id(module): i for i, module in enumerate(modules or ())}
 
     class HighWaterTracker(MemTracker):
         def __init__(self) -> None:
@@ -126,9 +134,28 @@ def _tracker(blocks: nn.ModuleList | None = None) -> Any:
             self.blocks_done = 0  # decoder blocks whose backward has completed
             self.segments: list[tuple[int, int]] = [(0, 0)]  # forward, then after 0, 1, … blocks' backward
             self.working_segments: list[int] = [0]  # the same stretches' activation high-water marks
+            self.module_events: list[tuple[str, int]] = []  # (forward_pre | … | backward_post, module index)
+
+        def _note(self, kind: str, module: nn.Module) -> None:
+            index = module_index.get(id(module))
+            if index is not None:
+                self.module_events.append((kind, index))
+
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            super()._pre_fw_hook(module, inputs)
+            self._note("forward_pre", module)
+
+        def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
+            super()._post_fw_hook(module, inputs, outputs)
+            self._note("forward_post", module)
+
+        def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
+            super()._pre_bw_hook(module, args)
+            self._note("backward_pre", module)
 
         def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
             super()._post_bw_hook(module, args)
+            self._note("backward_post", module)
             if id(module) in block_ids:
                 self.blocks_done += 1
 
@@ -240,7 +267,8 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                 torch.set_default_dtype(previous)
             tokens = torch.randint(0, int(model_spec.get("vocab_size", 2)), (micro_batch, sequence_length + 1))
             blocks = decoder_blocks(model)
-            tracker = _tracker(blocks)
+            modules = list(model.modules())
+            tracker = _tracker(blocks, modules)
             tracker.track_external(model)
             by_op = _kept_by_op_mode([*model.parameters(), *model.buffers(), tokens])
             with tracker:
@@ -255,12 +283,27 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
         return _failure(err)
     params = [p for p in model.parameters() if p.requires_grad]
     own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
+    gathered, gathered_turn = _zero3_gathered(model, modules, tracker.module_events, model_spec)
     return TraceResult(parameters=sum(p.numel() for p in params), largest_module_parameters=max(own, default=0),
                        activation_peak_bytes=tracker.working_peak, peak_phase=tracker.working_phase,
                        stored_bytes=stored, blocks_stored_bytes=blocks_stored,
                        blocks=len(blocks) if blocks is not None else 0, total_peak_bytes=total_peak,
                        kept_by_op=kept_by_op, joint_segments=tuple(tracker.segments),
-                       working_segments=tuple(tracker.working_segments), notes=tuple(notes))
+                       working_segments=tuple(tracker.working_segments), notes=tuple(notes),
+                       zero3_gathered_elements=gathered, zero3_gathered_after_forward=gathered_turn)
+
+
+def _zero3_gathered(model: nn.Module, modules: list[nn.Module], events: list[tuple[str, int]],
+                    model_spec: dict[str, Any]) -> tuple[int, int]:
+    """(most, after forward) parameter elements ZeRO-3 keeps gathered over this traced step, with the sizes
+    dsopt sets for the model (:mod:`optimizer.zero3_gather`)."""
+    if not model_spec.get("hidden_size"):
+        return 0, 0  # the sizes dsopt sets come from the width
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    module_params = [[index[id(p)] for p in m.parameters(recurse=False) if id(p) in index] for m in modules]
+    numel = [p.numel() for p in model.parameters()]
+    return gathered(events=events, module_params=module_params, param_numel=numel,
+                    settings=gather_settings(int(model_spec["hidden_size"])))
 
 
 def _failure(err: Exception) -> TraceFailure:
@@ -325,7 +368,7 @@ def traced_activation(*, cache: TraceCache | Path | None, model_spec: dict[str, 
     """The ledger's entry: a trace at each of ``micro_batches`` (:class:`optimizer.specs.TracedActivation`),
     from shallow copies of the model when they extend to its ``parameters`` (:meth:`TraceCache.trace_model`)."""
     store = cache if isinstance(cache, TraceCache) else TraceCache(cache)
-    points, joints, phase, notes = [], [], "backward", ()
+    points, joints, phase, notes, zero3 = [], [], "backward", (), 0
     for micro_batch in sorted(set(micro_batches)):
         result = store.trace_model(model_spec=model_spec, parameters=parameters, checkpointing=checkpointing,
                                    precision=precision, micro_batch=micro_batch, sequence_length=sequence_length)
@@ -333,9 +376,9 @@ def traced_activation(*, cache: TraceCache | Path | None, model_spec: dict[str, 
             return TracedActivation(checkpointing=checkpointing, precision=precision, failed_op=result.op)
         points.append((micro_batch, result.activation_peak_bytes))
         joints.append((micro_batch, *joint_peak(result.joint_segments)))
-        phase, notes = result.peak_phase, result.notes
+        phase, notes, zero3 = result.peak_phase, result.notes, max(zero3, result.zero3_gathered_elements)
     return TracedActivation(checkpointing=checkpointing, precision=precision, points=tuple(points), peak_phase=phase,
-                            joint_points=tuple(joints), notes=notes)
+                            joint_points=tuple(joints), notes=notes, zero3_gathered=zero3)
 
 
 def traceable_options(study: StudySpec) -> list[tuple[str, Precision]]:

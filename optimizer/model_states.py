@@ -203,8 +203,10 @@ def _stage12(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, joined:
     return items
 
 
-def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings) -> list[LedgerItem]:
-    """ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``) with optimizer and/or parameter offload."""
+def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, replayed: int = 0) -> list[LedgerItem]:
+    """ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``) with optimizer and/or parameter offload. ``replayed``: the
+    parameter elements the traced replay of DeepSpeed's coordinator keeps gathered at once (0: not traced,
+    the largest module twice + one prefetch bucket + the reuse window instead)."""
     g, q = z.g, z.q
     prec = candidate.precision
     opt = candidate.offload_optimizer
@@ -225,17 +227,30 @@ def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings) -> list[Led
     else:
         items.append(_item(f"{prec} parameter partition{' (pinned)' if param is OffloadDevice.CPU else ''}",
                            Category.PARAMS, _place(param), g * q, f"{g}Q", f"{STAGE3}:906-907, 970-973"))
+    items.append(_item(f"persistent parameters (≤ {settings.param_persistence_threshold:,} elements each)",
+                       Category.PARAMS, Location.GPU, g * z.k, f"{g}K", f"{DS} parameter_offload.py:317-330"))
+    if replayed:
+        # DeepSpeed's coordinator replayed over the traced module order: its prefetch marks keep parameters
+        # gathered from their forward use to their backward one; at most max_live + one module past it.
+        gathered = min(replayed, settings.max_live_parameters + z.largest_module)
+        items += [
+            _item("parameters gathered at once (the coordinator replayed over the traced module order)",
+                  Category.BUFFERS, Location.GPU, g * gathered, f"{g}·G, G = {gathered:,}",
+                  f"{DS} partitioned_param_coordinator.py:420-476, 634-665 (optimizer/zero3_gather.py)",
+                  Phase.BACKWARD),
+            _item("full gradient of the module at hand", Category.BUFFERS, Location.GPU, g * z.largest_module,
+                  f"{g}·LL", f"{DS} partition_parameters.py:1329-1346", Phase.BACKWARD)]
+    else:
+        items += [
+            _item("gathered largest module + its full gradient", Category.BUFFERS, Location.GPU,
+                  2 * g * z.largest_module, f"2·{g}·LL", f"{DS} partition_parameters.py:1329-1346", Phase.BACKWARD),
+            _item(f"prefetched parameters (stage3_prefetch_bucket_size = {settings.prefetch_bucket_elements:,})",
+                  Category.BUFFERS, Location.GPU, g * min(settings.prefetch_bucket_elements, z.psi),
+                  f"{g}·prefetch", f"{DS} partitioned_param_coordinator.py:452-454", Phase.BACKWARD),
+            _item(f"parameters kept for reuse (stage3_max_reuse_distance = {settings.max_reuse_distance:,})",
+                  Category.BUFFERS, Location.GPU, g * min(settings.max_reuse_distance, z.psi), f"{g}·reuse",
+                  f"{DS} partitioned_param_coordinator.py:634-664", Phase.BACKWARD)]
     items += [
-        _item(f"persistent parameters (≤ {settings.param_persistence_threshold:,} elements each)", Category.PARAMS,
-              Location.GPU, g * z.k, f"{g}K", f"{DS} parameter_offload.py:317-330"),
-        _item("gathered largest module + its full gradient", Category.BUFFERS, Location.GPU,
-              2 * g * z.largest_module, f"2·{g}·LL", f"{DS} partition_parameters.py:1329-1346", Phase.BACKWARD),
-        _item(f"prefetched parameters (stage3_prefetch_bucket_size = {settings.prefetch_bucket_elements:,})",
-              Category.BUFFERS, Location.GPU, g * min(settings.prefetch_bucket_elements, z.psi), f"{g}·prefetch",
-              f"{DS} partitioned_param_coordinator.py:452-454", Phase.BACKWARD),
-        _item(f"parameters kept for reuse (stage3_max_reuse_distance = {settings.max_reuse_distance:,})",
-              Category.BUFFERS, Location.GPU, g * min(settings.max_reuse_distance, z.psi), f"{g}·reuse",
-              f"{DS} partitioned_param_coordinator.py:634-664", Phase.BACKWARD),
         _item(f"gradient bucket (reduce_bucket_size = {z.bucket:,})", Category.BUFFERS, Location.GPU,
               g * z.bucket, f"{g}·B", f"{STAGE3}:779-784 (persistent)"),
         _item("reduce-scatter concat (≤ one bucket)", Category.BUFFERS, Location.GPU, g * z.bucket, f"{g}·B",
@@ -311,7 +326,9 @@ def transformer_items(
     if stage is ZeroStage.DISABLED:
         items = _stage0(z, candidate.precision, joined=joined)
     elif stage is ZeroStage.PARAMETERS:
-        items = _stage3(z, candidate, settings)
+        traced = model.traced_for(candidate.checkpointing, candidate.precision) if model.wants_trace else None
+        replayed = traced.zero3_gathered if traced is not None and traced.failed_op is None else 0
+        items = _stage3(z, candidate, settings, replayed=replayed)
     else:
         items = _stage12(z, candidate, settings, joined=joined)
 

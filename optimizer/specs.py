@@ -115,6 +115,9 @@ class TracedActivation:
     phase-aware join of activations and autograd's gradients (:mod:`launchers.trace`); empty when not traced."""
     notes: tuple[str, ...] = ()
     """What the trace assumed or how it was taken (MoE experts, depths extended), stated in the ledger."""
+    zero3_gathered: int = 0
+    """The most parameter elements ZeRO-3 keeps gathered at once, DeepSpeed's coordinator replayed over the
+    traced module order (:mod:`optimizer.zero3_gather`); 0 when not traced."""
 
     def __post_init__(self) -> None:
         _coerce_enums(self, precision=Precision)

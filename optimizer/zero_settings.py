@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from optimizer.knobs import ZeroStage
 from optimizer.specs import TransformerModel
+from optimizer.zero3_gather import GatherSettings
 
 DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000
 """``sub_group_size`` default (``runtime/zero/config.py``): the ZeRO-3 step works on sub-groups this large."""
@@ -85,3 +86,10 @@ def zero_settings(*, model: TransformerModel, stage: ZeroStage) -> ZeroSettings:
         max_live_parameters=DEEPSPEED_MAX_LIVE_PARAMETERS,
         sub_group_size=DEEPSPEED_SUB_GROUP_SIZE,
     )
+
+
+def gather_settings(hidden_size: int) -> GatherSettings:
+    """The ZeRO-3 coordinator's sizes dsopt sets for a model of width ``hidden_size`` (module doc)."""
+    prefetch = int(0.9 * hidden_size * hidden_size)
+    return GatherSettings(prefetch_bucket=prefetch, max_live=DEEPSPEED_MAX_LIVE_PARAMETERS,
+                          max_reuse_distance=prefetch, persistence_threshold=10 * hidden_size)

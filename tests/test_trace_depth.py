@@ -34,7 +34,7 @@ def _hf_spec(family: str, layers: int) -> dict:
     if "layer_types" in config:
         config["layer_types"] = (config["layer_types"] * layers)[:layers]
     return {"layers": layers, "attention": "eager", "vocab_size": config["vocab_size"], "hf_config": config,
-            "entry_point": None}
+            "entry_point": None, "hidden_size": config.get("hidden_size", config.get("n_embd"))}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,8 @@ def test_the_extended_trace_equals_the_full_depth_trace(gpt, checkpointing, prec
         extended = TraceCache(None).trace_model(model_spec=spec, parameters=full.parameters,
                                                 checkpointing=checkpointing, precision=precision, **KW)
         assert extended.notes[-1].startswith(f"traced at depths {depths[0]} and {depths[1]}")
-        for name in ("parameters", "activation_peak_bytes", "stored_bytes", "blocks_stored_bytes", "blocks"):
+        for name in ("parameters", "activation_peak_bytes", "stored_bytes", "blocks_stored_bytes", "blocks",
+                     "zero3_gathered_after_forward"):
             assert getattr(extended, name) == getattr(full, name), name
         assert joint_peak(extended.joint_segments) == joint_peak(full.joint_segments)
 
@@ -74,7 +75,7 @@ def test_a_depth_dependent_structure_is_traced_at_full_depth():
               "decoder_sparse_step": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
               "shared_expert_intermediate_size": 32}
     spec = {"layers": 5, "attention": "eager", "vocab_size": config["vocab_size"], "hf_config": config,
-            "entry_point": None}
+            "entry_point": None, "hidden_size": config["hidden_size"]}
     full = trace(model_spec=spec, checkpointing="none", precision=Precision.BF16, **KW)
     assert isinstance(full, TraceResult)
     result = TraceCache(None).trace_model(model_spec=spec, parameters=full.parameters, checkpointing="none",

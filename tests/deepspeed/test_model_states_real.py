@@ -9,16 +9,11 @@ must equal the ledger's item exactly.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from two_ranks import run_two_ranks
 
-from launchers.local import clear_stale_build_locks, extensions_dir
 from optimizer.ds_config import build_ds_config
 from optimizer.knobs import Candidate, NoCheckpointing, OffloadDevice, Precision, ZeroStage
 from optimizer.ledger import Phase, compute_ledger
@@ -55,12 +50,6 @@ def _candidate(stage: ZeroStage, precision: Precision, offload: OffloadDevice) -
                      precision=precision, checkpointing=NoCheckpointing(), micro_batch_size=TRAINING.micro_batch_size)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict[str, dict[str, int]]:
     work = tmp_path_factory.mktemp("ds_model_states")
@@ -69,14 +58,7 @@ def measured(tmp_path_factory) -> dict[str, dict[str, int]]:
                         "ffn": MODEL.ffn_size, "vocab": MODEL.vocab_size, "positions": MODEL.max_positions}}
              for c in CASES]
     (work / "cases.json").write_text(json.dumps(cases))
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    clear_stale_build_locks(extensions_dir())
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               TORCH_EXTENSIONS_DIR=str(extensions_dir()))
-    argv = [torchrun, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-            str(HERE / "probe_model_states.py"), str(work / "cases.json"), str(work)]
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_two_ranks(HERE / "probe_model_states.py", str(work / "cases.json"), str(work))
     out: dict[str, dict[str, int]] = {}
     for case in cases:
         ranks = [json.loads((work / f"{case['name']}.rank{r}.json").read_text()) for r in range(2)]
