@@ -404,9 +404,10 @@ def traced_micro_batches(study: StudySpec) -> tuple[int, ...]:
 
 
 def with_traced_activations(study: StudySpec, *, warn: Callable[[str], None] | None = None) -> StudySpec:
-    """The study with its model's ``traced_activations`` filled when it asks for ``activations: trace``
-    (cached in ``studies/NAME/traces.json``); each failed trace is reported through ``warn`` (default: one
-    line on stderr) naming the op, and the ledger uses the formula there. Other studies come back as they are.
+    """The study with its model's ``traced_activations`` filled when it asks for ``activations: trace`` or
+    ``auto`` (the default; cached in ``studies/NAME/traces.json``); each failed trace is reported through
+    ``warn`` (default: one line on stderr) naming the op, and the ledger uses the formula there. Other studies
+    come back as they are.
     """
     from launchers.trial import model_dict
     from optimizer.transformer import parameter_count
