@@ -36,7 +36,6 @@ from optimizer.coordination import (
     now_utc,
     worker_id,
 )
-from optimizer.errors import UserError
 from optimizer.knobs import Candidate
 from optimizer.ledger import evaluate
 from optimizer.ordering import (
@@ -62,7 +61,7 @@ from optimizer.search import (
     seed_study,
 )
 from optimizer.specs import baseline_candidate
-from optimizer.storage import StorageKind, redact, storage_kind
+from optimizer.storage import StorageKind, check_shared_storage, storage_kind
 from optimizer.study_file import StudySpec
 from optimizer.trial_result import TrialResult
 
@@ -164,13 +163,6 @@ class StopReason:
 
 WAIT = StopReason(text="every remaining candidate is being run by another worker; waiting")
 """Not a stop: wait for the other workers' trials."""
-
-
-def check_shared_storage(storage: str) -> None:
-    """Refuse (exit 2) a storage several workers cannot share: SQLite."""
-    if storage_kind(storage) is StorageKind.SQLITE:
-        raise UserError(source="--storage", key=redact(storage), why="SQLite is single-process: several workers "
-                        "need postgresql+psycopg://... or journal:///shared/file.log (one process: 'dsopt study run')")
 
 
 def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s: float | None,

@@ -37,7 +37,7 @@ from torch import nn
 
 from launchers.fake_kernels import grouped_mm_for_fake_tensors
 from launchers.json_cache import JsonFileCache
-from launchers.trace_depth import shallow_depths, spec_at_depth, trace_by_depth
+from launchers.trace_depth import shallow_specs, trace_by_depth
 from optimizer.constraints import invalid_reasons
 from optimizer.knobs import Precision, parse_checkpointing, with_knobs
 from optimizer.specs import TracedActivation, TransformerModel, baseline_candidate
@@ -181,7 +181,6 @@ def _tracker(blocks: nn.ModuleList | None = None, modules: list[nn.Module] | Non
 def joint_peak(segments: tuple[tuple[int, int], ...] | list[tuple[int, int]]) -> tuple[int, int]:
     """(activations + temporaries, gradients so far) at the moment their sum peaked, over every segment."""
     return max(segments, key=sum, default=(0, 0))
-
 
 
 ALLOCATION_GRANULE = 512
@@ -341,10 +340,8 @@ class TraceCache(JsonFileCache):
     def holds_model(self, *, model_spec: dict[str, Any], parameters: int | None, **kwargs: Any) -> bool:
         """Whatever :meth:`trace_model` would trace for these arguments is cached (the shallow copies', or the
         full model's)."""
-        depths = shallow_depths(int(model_spec["layers"]), kwargs["checkpointing"])
-        specs = [spec_at_depth(model_spec, d) for d in depths] if depths and parameters is not None else []
-        if not specs or any(spec is None for spec in specs):
-            specs = [model_spec]
+        chosen = shallow_specs(model_spec, kwargs["checkpointing"], parameters)
+        specs = chosen[1] if chosen is not None else [model_spec]
         return all(trace_key(model_spec=spec, **kwargs) in self for spec in specs)
 
     def trace_model(self, *, model_spec: dict[str, Any], parameters: int | None, **kwargs: Any

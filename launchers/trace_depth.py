@@ -115,16 +115,27 @@ def _segments(shallow: tuple[tuple[int, ...], ...], deeper: tuple[tuple[int, ...
     return tuple(out)
 
 
+def shallow_specs(model_spec: dict[str, Any], checkpointing: str,
+                  parameters: int | None) -> tuple[tuple[int, int], list[dict[str, Any]]] | None:
+    """The depths and specs of the two shallow copies to trace, or None to trace the model whole (it is not
+    deep enough, its depth cannot be set, or ``parameters`` — the full model's, to check the copies against —
+    is unknown)."""
+    depths = shallow_depths(int(model_spec["layers"]), checkpointing)
+    if depths is None or parameters is None:
+        return None
+    specs = [spec_at_depth(model_spec, depth) for depth in depths]
+    return None if any(spec is None for spec in specs) else (depths, specs)  # type: ignore[return-value]
+
+
 def trace_by_depth(run: Callable[[dict[str, Any]], Any], *, model_spec: dict[str, Any], checkpointing: str,
                    parameters: int | None) -> Any:
     """``run(spec)`` (a trace or a failure) for the model of ``model_spec``: from two shallow copies when that
-    is possible and their parameter counts extend to ``parameters`` (the full model's, None: unknown, trace
-    the full depth), else at full depth."""
-    depths = shallow_depths(int(model_spec["layers"]), checkpointing)
-    specs = None if depths is None or parameters is None else \
-        [spec_at_depth(model_spec, depth) for depth in depths]
-    if specs is None or any(spec is None for spec in specs):
+    is possible and their parameter counts extend to ``parameters`` (:func:`shallow_specs`), else at full
+    depth."""
+    chosen = shallow_specs(model_spec, checkpointing, parameters)
+    if chosen is None:
         return run(model_spec)
+    depths, specs = chosen
     shallow, deeper = (run(spec) for spec in specs)
     for result in (shallow, deeper):
         if not hasattr(result, "parameters"):

@@ -21,10 +21,16 @@ def activation_source(items: list[LedgerItem] | tuple[LedgerItem, ...]) -> str:
     return " + ".join(kinds) or "none"
 
 
+def usable_trace(model: TransformerModel, candidate: Candidate) -> TracedActivation | None:
+    """The candidate's successful trace when the model asks for traces (``trace``/``auto``), else None."""
+    traced = model.traced_for(candidate.checkpointing, candidate.precision) if model.wants_trace else None
+    return traced if traced is not None and traced.failed_op is None else None
+
+
 def joint_trace(model: TransformerModel, candidate: Candidate) -> TracedActivation | None:
     """The candidate's successful trace when it carries the joint of activations and gradients, else None."""
-    traced = model.traced_for(candidate.checkpointing, candidate.precision) if model.wants_trace else None
-    return traced if traced is not None and traced.failed_op is None and traced.joint_points else None
+    traced = usable_trace(model, candidate)
+    return traced if traced is not None and traced.joint_points else None
 
 
 def activation_items(*, model: TransformerModel, candidate: Candidate, sequence_length: int,

@@ -22,7 +22,7 @@ from optimizer.knobs import KNOB_NAMES, Candidate, parse_knob
 from optimizer.ledger import evaluate
 from optimizer.ledger_report import all_json, all_table, ledger_json, ledger_table, throughput_lines
 from optimizer.specs import SeedModel, TransformerModel, baseline_candidate
-from optimizer.storage import load_stored_study, redact
+from optimizer.storage import check_shared_storage, load_stored_study, redact
 from optimizer.study_file import StudySpec, load_study
 from optimizer.throughput import StepTime, predict_candidate
 from optimizer.transformer import parameter_count
@@ -271,8 +271,6 @@ def _shared_storage(args: argparse.Namespace) -> str:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from launchers.study_run import check_shared_storage
-
     storage = _shared_storage(args)
     check_shared_storage(storage)  # before the model is counted and traced
     study, gpus = _runnable_study(args.study, slot=args.slot)

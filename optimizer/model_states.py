@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from optimizer.activation_ledger import activation_items, joint_trace
+from optimizer.activation_ledger import activation_items, joint_trace, usable_trace
 from optimizer.constraints import gradient_accumulation_steps
 from optimizer.init_ledger import construction_moments, init_items, init_moments, moment_bytes, parameter_location
 from optimizer.knobs import Candidate, OffloadDevice, Precision, ZeroStage
@@ -320,15 +320,15 @@ def transformer_items(
     z = _sizes(model=model, candidate=candidate, hardware=hardware, training=training, settings=settings)
     stage = candidate.zero_stage
     # Autograd's own .grad tensors grow during backward at stages 0 and 1 (one micro-batch per step: with
-    # more, the earlier micro-batches' gradients are all there when the next backward starts).
+    # more, the earlier micro-batches' gradients are all there when the next backward starts). Not joined with
+    # the optimizer offloaded: DeepSpeed's offload hooks move gradients as they come, a path not measured here.
     joined = stage in (ZeroStage.DISABLED, ZeroStage.OPTIMIZER) and z.gas == 1 \
         and candidate.offload_optimizer is OffloadDevice.NONE and joint_trace(model, candidate) is not None
     if stage is ZeroStage.DISABLED:
         items = _stage0(z, candidate.precision, joined=joined)
     elif stage is ZeroStage.PARAMETERS:
-        traced = model.traced_for(candidate.checkpointing, candidate.precision) if model.wants_trace else None
-        replayed = traced.zero3_gathered if traced is not None and traced.failed_op is None else 0
-        items = _stage3(z, candidate, settings, replayed=replayed)
+        traced = usable_trace(model, candidate)
+        items = _stage3(z, candidate, settings, replayed=traced.zero3_gathered if traced is not None else 0)
     else:
         items = _stage12(z, candidate, settings, joined=joined)
 

@@ -57,6 +57,13 @@ def allows_parallel_workers(url: str) -> bool:
     return storage_kind(url) is not StorageKind.SQLITE
 
 
+def check_shared_storage(url: str) -> None:
+    """Refuse (exit 2) a storage several workers cannot share: SQLite."""
+    if not allows_parallel_workers(url):
+        raise UserError(source="--storage", key=redact(url), why="SQLite is single-process: several workers "
+                        "need postgresql+psycopg://... or journal:///shared/file.log (one process: 'dsopt study run')")
+
+
 def open_storage(url: str, *, workers: WorkerSettings) -> Any:
     """The Optuna storage object for ``url`` (PostgreSQL with heartbeats and retries of stale trials)."""
     import optuna

@@ -74,16 +74,16 @@ def zero_settings(*, model: TransformerModel, stage: ZeroStage) -> ZeroSettings:
     """The sizes dsopt uses for ``model`` at ``stage`` (see the module docstring for the rule)."""
     h = model.hidden_size
     bucket = _aligned(h * h)
-    prefetch = int(0.9 * h * h)
+    coordinator = gather_settings(h)
     return ZeroSettings(
         reduce_bucket_elements=bucket,
         allgather_bucket_elements=bucket,
         overlap_comm=stage is ZeroStage.PARAMETERS,
         contiguous_gradients=True,
-        prefetch_bucket_elements=prefetch,
-        param_persistence_threshold=10 * h,
-        max_reuse_distance=prefetch,
-        max_live_parameters=DEEPSPEED_MAX_LIVE_PARAMETERS,
+        prefetch_bucket_elements=coordinator.prefetch_bucket,
+        param_persistence_threshold=coordinator.persistence_threshold,
+        max_reuse_distance=coordinator.max_reuse_distance,
+        max_live_parameters=coordinator.max_live,
         sub_group_size=DEEPSPEED_SUB_GROUP_SIZE,
     )
 
