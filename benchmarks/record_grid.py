@@ -85,7 +85,8 @@ def main() -> int:
         result = run_trial(study=study, candidate=candidate, reference_losses=reference)
         entry = {
             "label": candidate.label(), "knobs": candidate.knobs(), "outcome": result.outcome.value,
-            "measured_peak_bytes": result.peak_memory_bytes, "predicted_device_bytes": device,
+            "measured_peak_bytes": result.peak_memory_bytes, "training_peak_bytes": result.training_peak_memory_bytes,
+            "init_peak_bytes": result.init_peak_memory_bytes, "predicted_device_bytes": device,
             "predicted_host_bytes": per_rank - device, "predicted_needed_bytes": ledger.gpu_needed_bytes,
             "ledger_fits": verdict.fits, "tokens_per_s": result.tokens_per_s, "step_time_s": result.step_time_s,
             "loss_fidelity": result.loss_fidelity, "wall_s": round(time.monotonic() - start, 2),

@@ -118,13 +118,15 @@ class Run:
 
 
 def as_result(grid: Grid, entry: dict) -> TrialResult:
-    """A recorded measurement as the TrialResult a launch would have returned."""
-    if grid.oom(entry):
-        return TrialResult(outcome=Outcome.OOM, message="replay: device share of the measured peak exceeds the budget")
+    """A recorded measurement as the TrialResult a launch returned: the run's own outcome and measurements —
+    whether a measured peak is over the budget is for the study to judge (optimizer.search.over_budget), as it
+    does for a real launch on CPU ranks."""
     if entry["outcome"] != "ok":
         return TrialResult(outcome=Outcome(entry["outcome"]), message="replay")
     rank = RankMeasurement(rank=0, peak_allocated_bytes=entry["measured_peak_bytes"], peak_reserved_bytes=None,
-                           peak_rss_bytes=0, step_times_s=(entry["step_time_s"],))
+                           peak_rss_bytes=0, step_times_s=(entry["step_time_s"],),
+                           training_peak_allocated_bytes=entry.get("training_peak_bytes"),
+                           init_peak_allocated_bytes=entry.get("init_peak_bytes"))
     return TrialResult(outcome=Outcome.OK, ranks=(rank,), step_time_s=entry["step_time_s"],
                        tokens_per_s=entry["tokens_per_s"], loss_fidelity=entry["loss_fidelity"])
 

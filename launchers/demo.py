@@ -47,7 +47,7 @@ def run_demo(*, spec: StudySpec, n_trials: int) -> DemoResult:
     config_path = spec.output_dir / "ds_config.balanced.json"
     config = exported_config(spec=spec, knobs=picked.user_attrs["candidate"], hf=False)
     write_atomically(config_path, export_text(config), force=True)
-    png = write_png(study, spec.output_dir / "pareto.png")
-    html = write_html(study, spec.output_dir / "pareto.html")
+    png = write_png(study, spec.output_dir / "pareto.png", budget_bytes=spec.hardware.gpu_memory_bytes)
+    html = write_html(study, spec.output_dir / "pareto.html", budget_bytes=spec.hardware.gpu_memory_bytes)
     return DemoResult(study=study, picked=picked, config_path=config_path, png_path=png, html_path=html,
                       counts=counts(study), wall_s=time.monotonic() - start)

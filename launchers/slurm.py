@@ -28,12 +28,11 @@ from optimizer.coordination import WORKER_ATTR, now_utc
 from optimizer.errors import UserError
 from optimizer.specs import Accelerator
 from optimizer.storage import (
-    StorageKind,
     allows_parallel_workers,
+    check_readable,
     open_storage,
     redact,
     storage_error,
-    storage_kind,
 )
 from optimizer.study_file import StudySpec
 
@@ -190,10 +189,8 @@ def job_lines(spec: StudySpec) -> list[str]:
 
 def load_for_status(spec: StudySpec, storage: str) -> optuna.Study:
     """The shared study for ``dsopt slurm status``; UserError if it is not there (yet). Reading never creates a
-    journal file (Optuna's ``JournalFileBackend`` would make an empty one)."""
-    if storage_kind(storage) is StorageKind.JOURNAL and not Path(storage.removeprefix("journal://")).exists():
-        raise UserError(source="--storage", key=redact(storage), why="no such journal file (reading never creates "
-                        "one; the first worker does)")
+    journal file, an SQLite file or Optuna's tables (:func:`optimizer.storage.check_readable`)."""
+    check_readable(storage)  # opening with Optuna would create the file or the tables; the first worker does
     try:
         return optuna.load_study(study_name=spec.name, storage=open_storage(storage, workers=spec.workers))
     except KeyError:

@@ -355,9 +355,10 @@ def _pareto(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UserError(source="--out", key=str(out), why=f"cannot create the folder: {err.strerror}") from None
-    print(front_table(stored))
-    png = write_png(stored, out / "pareto.png")
-    html = write_html(stored, out / "pareto.html")
+    budget = study.hardware.gpu_memory_bytes
+    print(front_table(stored, budget_bytes=budget))
+    png = write_png(stored, out / "pareto.png", budget_bytes=budget)
+    html = write_html(stored, out / "pareto.html", budget_bytes=budget)
     print(f"wrote {png} and {html}")
     return 0
 
@@ -423,7 +424,7 @@ def _demo(args: argparse.Namespace) -> int:
         print("dsopt: interrupted; run the demo again to continue", file=sys.stderr)
         return 130
     c, trial = demo.counts, demo.picked
-    print(front_table(demo.study))
+    print(front_table(demo.study, budget_bytes=study.hardware.gpu_memory_bytes))
     print(f"\ntrials: {c['measured']} launched and measured, {c['reused']} reused, {c['pruned']} pruned by the "
           f"ledger (never launched), {c['failed']} failed; wall time {demo.wall_s:.0f} s")
     print(f"picked (balanced): trial #{trial.number} {trial.user_attrs['candidate']}: {trial.values[0] / 1e6:.3f} MB "

@@ -23,9 +23,10 @@ and only the activation *formula* uses it — the trace (``activations: trace``)
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from optimizer import limits
 from optimizer.errors import error_summary
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
@@ -88,11 +89,16 @@ def shape_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
     attention_bias, mlp_bias = bool(config.get("attention_bias", False)), bool(config.get("mlp_bias", False))
     if attention_bias != mlp_bias:
         raise HfConfigError("mlp_bias", "the ledger assumes attention and MLP biases are both on or both off")
-    return {
+    if head_dim is None and hidden % heads:
+        raise HfConfigError("num_attention_heads", f"{heads} does not divide hidden_size {hidden}")
+    kv = config.get("num_key_value_heads") or heads
+    if kv > heads or heads % kv:
+        raise HfConfigError("num_key_value_heads", f"{kv} key/value heads do not divide {heads} heads")
+    shape = {
         "layers": ints["num_hidden_layers"],
         "hidden_size": hidden,
         "heads": heads,
-        "kv_heads": config.get("num_key_value_heads") or heads,
+        "kv_heads": kv,
         "ffn_size": ints["intermediate_size"],
         "vocab_size": ints["vocab_size"],
         "tied_embeddings": bool(config.get("tie_word_embeddings", False)),
@@ -103,6 +109,23 @@ def shape_from_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
         "dropout": float(config.get("attention_dropout", 0.0) or 0.0) > 0.0,
         "max_positions": config.get("max_position_embeddings") or 2048,
     }
+    return within_limits(shape, key_of=lambda name: LLAMA_KEYS.get(name, name))
+
+
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
+"""Where families keep the layer count in config.json (transformers maps them onto ``num_hidden_layers``)."""
+LLAMA_KEYS = {"layers": "num_hidden_layers", "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
+              "ffn_size": "intermediate_size", "max_positions": "max_position_embeddings"}
+"""The shape's field → the config key (Llama's names) it is read from."""
+
+
+def within_limits(shape: dict[str, Any], *, key_of: Callable[[str], str]) -> dict[str, Any]:
+    """``shape`` unchanged, or HfConfigError naming the config's key of a count beyond any real model
+    (:mod:`optimizer.limits`) — checked before anything is built."""
+    for name, (limit, what) in limits.MODEL_LIMITS.items():
+        if why := limits.beyond(shape[name], limit, what):
+            raise HfConfigError(key_of(name), why)
+    return shape
 
 
 CLASSIC_FAMILIES = frozenset({"gpt2", "gpt_neo", "gpt_neox", "gptj", "gpt_bigcode", "opt", "bloom", "falcon",
@@ -136,6 +159,10 @@ def generic_shape(config: Mapping[str, Any]) -> dict[str, Any]:
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise HfConfigError("model_type", f"{model_type!r} has no causal-LM model (AutoModelForCausalLM) in "
                             f"transformers {version}")
+    for key in LAYER_KEYS:  # before transformers builds per-layer lists (layer_types) of that length
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > limits.MAX_LAYERS:
+            within_limits({**dict.fromkeys(limits.MODEL_LIMITS, 0), "layers": value}, key_of=lambda _name, key=key: key)
     settings = {k: v for k, v in config.items() if k != "model_type"}
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # its token-id remarks are not the user's problem here
@@ -147,10 +174,16 @@ def generic_shape(config: Mapping[str, Any]) -> dict[str, Any]:
     finally:
         transformers.logging.set_verbosity(verbosity)
     text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    aliases = {**getattr(hf, "attribute_map", {}), **getattr(text, "attribute_map", {})}
+
+    def spelled(name: str) -> str:
+        """The config's own key for transformers' common ``name`` (GPT-2's ``n_embd`` for ``hidden_size``)."""
+        alias = aliases.get(name)
+        return alias if alias and alias in config and name not in config else name
 
     def whole(name: str, value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise HfConfigError(name, f"expected a positive integer, got {value!r}")
+            raise HfConfigError(spelled(name), f"expected a positive integer, got {value!r}")
         return value
 
     hidden = whole("hidden_size", getattr(text, "hidden_size", None))
@@ -159,11 +192,13 @@ def generic_shape(config: Mapping[str, Any]) -> dict[str, Any]:
                             "model): the ledger's activation and ZeRO-3 formulas describe attention transformers")
     heads = whole("num_attention_heads", getattr(text, "num_attention_heads", None))
     if hidden % heads:
-        raise HfConfigError("num_attention_heads", f"{heads} does not divide hidden_size {hidden}")
+        raise HfConfigError(spelled("num_attention_heads"), f"{heads} does not divide {spelled('hidden_size')} "
+                            f"{hidden}")
     kv_key = next((k for k in KV_KEYS if getattr(text, k, None) is not None), None)  # 0 is an error, not unset
     kv = whole(kv_key, getattr(text, kv_key)) if kv_key else (1 if getattr(text, "multi_query", False) else heads)
     if heads % kv:
-        raise HfConfigError(kv_key or "num_attention_heads", f"{kv} key/value heads do not divide {heads} heads")
+        raise HfConfigError(spelled(kv_key or "num_attention_heads"), f"{kv} key/value heads do not divide {heads} "
+                            "heads")
     ffn_key = next((k for k in FFN_KEYS if getattr(text, k, None) is not None), None)
     classic = model_type in CLASSIC_FAMILIES
     dropout = any(isinstance(getattr(text, k, None), (int, float)) and getattr(text, k) > 0 for k in DROPOUT_KEYS)
@@ -172,7 +207,7 @@ def generic_shape(config: Mapping[str, Any]) -> dict[str, Any]:
         if "max_position_embeddings" in config or "n_positions" in config:  # the user's own value: refuse it
             raise HfConfigError("max_position_embeddings", f"expected a positive integer, got {positions!r}")
         positions = 2048  # the class has no position table (XLNet's -1): rotary or relative positions
-    return {
+    shape = {
         "layers": whole("num_hidden_layers", getattr(text, "num_hidden_layers", None)),
         "hidden_size": hidden,
         "heads": heads,
@@ -187,3 +222,7 @@ def generic_shape(config: Mapping[str, Any]) -> dict[str, Any]:
         "dropout": dropout,
         "max_positions": whole("max_position_embeddings", positions),
     }
+    common = {"layers": "num_hidden_layers", "heads": "num_attention_heads",
+              "kv_heads": kv_key or "num_attention_heads", "ffn_size": ffn_key or "hidden_size",
+              "max_positions": "max_position_embeddings"}
+    return within_limits(shape, key_of=lambda name: spelled(common.get(name, name)))

@@ -79,11 +79,21 @@ def measured_trials(trials: Iterable[optuna.trial.FrozenTrial]) -> list[optuna.t
             and "step_time_s" in t.user_attrs]
 
 
+def over_budget_trials(trials: Iterable[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+    """Trials that ran to the end but measured a device share over the budget (outcome ``oom``, see
+    :func:`optimizer.search.over_budget`): their step time is a real measurement, their memory one too."""
+    return [t for t in trials if t.state is optuna.trial.TrialState.FAIL and t.user_attrs.get("outcome") == "oom"
+            and "reused_from" not in t.user_attrs and "device_share_bytes" in t.user_attrs
+            and t.user_attrs.get("step_time_s")]
+
+
 def device_bytes_measured(trial: optuna.trial.FrozenTrial) -> int:
     """What training measured of one device — its reserved (CPU: live-tensor) peak + the device reserve, the
     memory objective — minus the ledger's host share (CPU ranks keep offloaded states in the same memory).
     Trials recorded before training was measured apart give their whole-run allocated peak."""
     attrs = trial.user_attrs
+    if "device_share_bytes" in attrs:
+        return int(attrs["device_share_bytes"])
     measured = attrs.get("memory_objective_bytes") or attrs.get("peak_memory_bytes") or 0
     return int(measured) - int(attrs.get("predicted_host_bytes", 0))
 
@@ -115,9 +125,18 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
                 predicted_bytes=needed, measured_bytes=device, fits_budget_bytes=budget if fit else None))
             if fit:
                 fits.add(t.user_attrs["candidate_key"])
-    for t in trials:  # an OOM says only that the need exceeded the budget: a lower bound of its group's factor
+    for t in over_budget_trials(trials):  # a run measured over the budget: its time and its device share
+        candidate = candidate_of(t.user_attrs["candidate"], base)
+        job = work(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training)
+        time_samples.append(TimeSample(work=job, step_time_s=float(t.user_attrs["step_time_s"])))
+        if device_bytes_predicted(t):
+            memory_samples.setdefault(memory_group(candidate), []).append(MemorySample(
+                predicted_bytes=device_bytes_predicted(t), measured_bytes=max(device_bytes_measured(t), budget + 1),
+                fits_budget_bytes=None))
+    for t in trials:  # an OOM that measured nothing says only that the need exceeded the budget: a lower bound
         if t.state is optuna.trial.TrialState.FAIL and t.user_attrs.get("outcome") == "oom" \
-                and "reused_from" not in t.user_attrs and t.user_attrs.get("predicted_gpu_needed_bytes"):
+                and "reused_from" not in t.user_attrs and t.user_attrs.get("predicted_gpu_needed_bytes") \
+                and "device_share_bytes" not in t.user_attrs:
             candidate = candidate_of(t.user_attrs["candidate"], base)
             memory_samples.setdefault(memory_group(candidate), []).append(MemorySample(
                 predicted_bytes=int(t.user_attrs["predicted_gpu_needed_bytes"]), measured_bytes=budget + 1,

@@ -63,11 +63,17 @@ def pick_trial(study: optuna.Study, how: str) -> optuna.trial.FrozenTrial:
     return min(front, key=distance)
 
 
-def front_table(study: optuna.Study) -> str:
-    """The front as a table: peak memory, throughput, fidelity, the knobs."""
+def front_table(study: optuna.Study, *, budget_bytes: int | None = None) -> str:
+    """The front as a table: peak memory, throughput, fidelity, the knobs; with ``budget_bytes`` the header
+    names the per-device budget and how many launches ended over it (outcome ``oom``, never on the front)."""
     front = feasible_front(study)
-    lines = [f"study {study.study_name}: feasible Pareto front, {len(front)} trial(s) (MB = 10^6 bytes)",
-             f"  {'trial':>5} {'train MB':>10} {'tokens/s':>10} {'fidelity':>9}  knobs"]
+    lines = [f"study {study.study_name}: feasible Pareto front, {len(front)} trial(s) (MB = 10^6 bytes)"]
+    if budget_bytes is not None:
+        ooms = sum(1 for t in study.get_trials(deepcopy=False)
+                   if t.user_attrs.get("outcome") == "oom" and "reused_from" not in t.user_attrs)
+        lines.append(f"  per-device budget {budget_bytes / 1e6:,.3f} MB; {ooms} launch(es) ended out of memory "
+                     "or measured over it (outcome oom, not on the front)")
+    lines.append(f"  {'trial':>5} {'train MB':>10} {'tokens/s':>10} {'fidelity':>9}  knobs")
     for t in front:
         k = t.user_attrs.get("candidate", {})
         knobs = " ".join(f"{name}={value}" for name, value in k.items())

@@ -1,5 +1,6 @@
-"""Draw the study: measured trials, the feasible Pareto front highlighted, and the candidates the ledger
-pruned at their predicted peak (not launched, so no throughput: drawn on the zero line). Drawing only."""
+"""Draw the study: measured trials, the feasible Pareto front highlighted and labelled with trial numbers,
+the per-device budget as a vertical line, and the candidates the ledger pruned at their predicted peak (not
+launched, so no throughput: drawn on the zero line). Drawing only."""
 
 from __future__ import annotations
 
@@ -41,8 +42,12 @@ STYLE = {
 }
 
 
-def write_png(study: optuna.Study, path: Path) -> Path:
-    """``pareto.png`` with matplotlib (Agg backend)."""
+def budget_label(budget_bytes: int) -> str:
+    return f"per-device budget {budget_bytes / MB:,.3f} MB"
+
+
+def write_png(study: optuna.Study, path: Path, *, budget_bytes: int) -> Path:
+    """``pareto.png`` with matplotlib (Agg backend); ``budget_bytes`` is the per-device budget the ledger used."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,6 +63,10 @@ def write_png(study: optuna.Study, path: Path) -> Path:
     front = sorted(groups["front"])
     if front:
         ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="tab:red", alpha=0.5)
+        for memory, speed, label in front:
+            ax.annotate(label.split(" ", 1)[0], (memory, speed), textcoords="offset points", xytext=(4, 4),
+                        fontsize=7, color="tab:red")
+    ax.axvline(budget_bytes / MB, color="black", linestyle="--", linewidth=1, label=budget_label(budget_bytes))
     ax.set_xlabel("training memory per device, measured: reserved peak + reserve (MB = 10^6 bytes)")
     ax.set_ylabel("throughput (tokens/s)")
     ax.set_title(f"dsopt study {study.study_name}")
@@ -69,7 +78,7 @@ def write_png(study: optuna.Study, path: Path) -> Path:
     return path
 
 
-def write_html(study: optuna.Study, path: Path) -> Path:
+def write_html(study: optuna.Study, path: Path, *, budget_bytes: int) -> Path:
     """``pareto.html``: Optuna's ``plot_pareto_front`` (infeasible trials coloured from the constraints), plus
     the pruned candidates at their ledger prediction."""
     import plotly.graph_objects as go
@@ -85,6 +94,7 @@ def write_html(study: optuna.Study, path: Path) -> Path:
             fig.add_trace(go.Scatter(x=[p[0] * MB for p in points], y=[p[1] for p in points], mode="markers",
                                      name=STYLE[kind]["label"], text=[p[2] for p in points],
                                      marker=dict(symbol="x" if kind == "pruned" else "triangle-down", size=9)))
+    fig.add_vline(x=budget_bytes, line_dash="dash", line_color="black", annotation_text=budget_label(budget_bytes))
     fig.update_layout(title=f"dsopt study {study.study_name}", xaxis_title="training memory per device (bytes)",
                       yaxis_title="tokens/s")
     fig.write_html(str(path), include_plotlyjs=True)

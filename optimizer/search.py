@@ -1,7 +1,9 @@
 """The study: Optuna multi-objective search with ledger pruning, reuse and an FP32 fidelity constraint.
 
 Objectives: minimise the memory training measured per device — its reserved peak on CUDA (live tensors on CPU
-ranks) + the device reserve, the memory that runs out, init left out — and maximise throughput (tokens/s). Each
+ranks, less the ledger's host items: one memory holds both there) + the device reserve, the memory that runs
+out, init left out — and maximise throughput (tokens/s). A run whose measured device share (training or init)
+exceeds the per-device budget is outcome ``oom`` like a run that ran out of memory (:func:`over_budget`). Each
 sampled candidate goes through the ledger first; an invalid or predicted-not-to-fit candidate is never
 launched — it is recorded as PRUNED with the ledger's breakdown and reason in the trial's user attributes.
 A candidate already measured in the study is not launched again: its values are reused. Loss fidelity
@@ -285,14 +287,33 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
         trial.set_user_attr("skipped_steps", result.skipped_steps)
         trial.set_user_attr("losses", list(result.losses))
         reserve = spec.hardware.device_reserve_bytes
-        memory = result.training_device_bytes(device_reserve_bytes=reserve) or 0
+        memory = (result.training_device_bytes(device_reserve_bytes=reserve) or 0) - host_share
+        trial.set_user_attr("device_share_bytes", memory)
         trial.set_user_attr("memory_objective_bytes", memory)
         init_need = (result.init_device_bytes(device_reserve_bytes=reserve) or 0) - init_host_share
+        trial.set_user_attr("init_device_share_bytes", init_need)
         trial.set_user_attr("init_memory_excess", (init_need - ledger.gpu_capacity_bytes) / ledger.gpu_capacity_bytes)
+        over = over_budget(training_bytes=memory, init_bytes=init_need, budget_bytes=ledger.gpu_capacity_bytes)
+        if over:
+            trial.set_user_attr("outcome", Outcome.OOM.value)
+            trial.set_user_attr("message", over)
+            raise TrialFailed(f"{Outcome.OOM}: {over}")
         _constrain(trial, fidelity=fidelity - tolerance, init_memory=trial.user_attrs["init_memory_excess"])
         return float(memory), float(result.tokens_per_s or 0.0)
 
     return objective
+
+
+def over_budget(*, training_bytes: int, init_bytes: int, budget_bytes: int) -> str:
+    """Why a run that ended ok is an OOM all the same, or '' when it is not: the device share it measured
+    (training, or the init phase) exceeds the per-device budget the ledger used. On a GPU that run would have
+    run out of memory, or fitted only on a bigger device than the study's; on CPU ranks "out of memory" is
+    virtual (host RAM is larger than the budget), so the study applies it."""
+    for phase, need in (("training", training_bytes), ("init", init_bytes)):
+        if need > budget_bytes:
+            return (f"measured {phase} device share {need / 1e6:.3f} MB (10^6 bytes) exceeds the per-device budget "
+                    f"{budget_bytes / 1e6:.3f} MB by {100 * (need - budget_bytes) / budget_bytes:.1f} %")
+    return ""
 
 
 def _acquire(trial: optuna.Trial, key: str, gate: LaunchGate) -> optuna.trial.FrozenTrial | None:
@@ -326,7 +347,7 @@ def _reuse(trial: optuna.Trial, previous: optuna.trial.FrozenTrial, tolerance: f
     """Record ``previous``'s result on ``trial`` instead of launching again (a failure is reused as one)."""
     trial.set_user_attr("reused_from", previous.number)
     for name in ("outcome", "message", "loss_fidelity", "tokens_per_s", "peak_memory_bytes", "trial_dir",
-                 "memory_objective_bytes", "init_memory_excess"):
+                 "memory_objective_bytes", "device_share_bytes", "init_memory_excess"):
         if name in previous.user_attrs:
             trial.set_user_attr(name, previous.user_attrs[name])
     if previous.state is optuna.trial.TrialState.FAIL:

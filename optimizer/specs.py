@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from optimizer import limits
 from optimizer.inventory import ParameterInventory
 from optimizer.knobs import (
     Candidate,
@@ -243,6 +244,8 @@ class TransformerModel:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, (limit, what) in limits.MODEL_LIMITS.items():
+            limits.check_count(name, getattr(self, name), limit, what)
         if self.hidden_size % self.heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by heads ({self.heads})")
         if self.kv_heads > self.heads or self.heads % self.kv_heads:

@@ -80,12 +80,8 @@ def open_storage(url: str, *, workers: WorkerSettings) -> Any:
                 raise UserError(source="--storage", key=url, why="a journal URL needs an absolute path in an existing "
                                 "folder, e.g. journal:///shared/studies/NAME.log")
             return JournalStorage(JournalFileBackend(str(path)))
-        try:
-            import psycopg  # noqa: F401
-        except ImportError:
-            raise UserError(source="--storage", key=redact(url), why="PostgreSQL needs psycopg 3: pip install "
-                            "'dsopt[cluster]' (or 'psycopg[binary]')") from None
-        rdb_url = "postgresql+psycopg://" + url.split("://", 1)[1]
+        _require_psycopg(url)
+        rdb_url = "postgresql+psycopg://" + connection_url(url).split("://", 1)[1]
         with warnings.catch_warnings():  # the callback is marked experimental; stable in practice since 2.8
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             callback = RetryHeartbeatStaleTrialCallback(max_retry=workers.max_retry)
@@ -96,6 +92,47 @@ def open_storage(url: str, *, workers: WorkerSettings) -> Any:
         raise
     except Exception as err:  # sqlalchemy / psycopg / journal errors differ by backend
         raise storage_error(url, err) from None
+
+
+def _require_psycopg(url: str) -> None:
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        raise UserError(source="--storage", key=redact(url), why="PostgreSQL needs psycopg 3: pip install "
+                        "'dsopt[cluster]' (or 'psycopg[binary]')") from None
+
+
+OPTUNA_TABLES = ("studies", "trials", "version_info")
+"""Tables every Optuna RDB storage has (optuna/storages/_rdb/models.py); their absence means not a study
+storage. Optuna's ``RDBStorage`` would create them on opening, so a reader looks first."""
+
+
+def _holds_optuna_tables(url: str) -> bool:
+    """Whether the database ``url`` names has Optuna's tables, looked at without writing: SQLite opened
+    read-only by the standard library, PostgreSQL through SQLAlchemy's inspector."""
+    try:
+        if storage_kind(url) is StorageKind.SQLITE:
+            import sqlite3
+
+            path = Path(url.removeprefix("sqlite:///"))
+            with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+                names = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        else:
+            _require_psycopg(url)
+            import sqlalchemy
+            from sqlalchemy.pool import NullPool
+
+            engine = sqlalchemy.create_engine("postgresql+psycopg://" + connection_url(url).split("://", 1)[1],
+                                              poolclass=NullPool)
+            try:
+                names = set(sqlalchemy.inspect(engine).get_table_names())
+            finally:
+                engine.dispose()
+    except UserError:
+        raise
+    except Exception as err:  # not a database, an unreachable server: the backend says which
+        raise storage_error(url, err) from None
+    return all(name in names for name in OPTUNA_TABLES)
 
 
 SCHEMA_LOCK_KEY = 0x64736F7074
@@ -134,12 +171,63 @@ def storage_error(storage: str, err: Exception) -> UserError:
     """One line naming the storage (password masked) and the backend's first line of complaint."""
     first = (str(err).strip().splitlines() or [""])[0]
     return UserError(source="--storage", key=redact(storage),
-                     why=f"cannot open the study storage: {type(err).__name__}: {redact(first)[:300]}")
+                     why=f"cannot open the study storage: {type(err).__name__}: {redact(first, url=storage)[:300]}")
 
 
-def redact(text: str) -> str:
-    """Hide a password in a storage URL (``scheme://user:password@host``)."""
-    return re.sub(r"(://[^:/@\s]+:)[^@\s]+@", r"\1***@", text)
+URL_TOKEN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S+")
+"""A URL inside a message: a scheme, ``://`` and everything up to the next white space."""
+
+
+def credentials(url: str) -> tuple[str, str | None, str]:
+    """``(scheme://user, password or None, @host...)`` of a URL, split by parsing: the user information ends
+    at the **last** ``@`` (a password may hold ``@``, ``:`` or ``/``; host, port and database name do not hold
+    ``@``), the user name at the first ``:`` of it. No ``@``: no user information (password None)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url, None, ""
+    userinfo, host = rest.rsplit("@", 1)
+    user, colon, password = userinfo.partition(":")
+    return f"{scheme}://{user}", (password if colon else None), "@" + host
+
+
+def connection_url(url: str) -> str:
+    """``url`` as SQLAlchemy must read it: an ``@`` in the password percent-encoded (its URL pattern stops the
+    password at the first ``@`` and would take the rest for the host); anything else as written."""
+    head, password, host = credentials(url)
+    return url if password is None else f"{head}:{password.replace('@', '%40')}{host}"
+
+
+def redact(text: str, *, url: str | None = None) -> str:
+    """``text`` with every password of a URL in it — and of ``url``, wherever it appears — replaced by ``***``
+    (:func:`credentials` finds it by parsing, whatever characters it holds)."""
+    secrets: set[str] = set()
+    whole = [text] if URL_TOKEN.match(text) else []  # a URL by itself: its password may hold a space
+    for token in ([url] if url else []) + whole + URL_TOKEN.findall(text):
+        password = credentials(token)[1]
+        if password:
+            secrets |= {password, password.replace("@", "%40")}
+
+    def masked(match: re.Match[str]) -> str:
+        head, password, host = credentials(match.group(0))
+        return match.group(0) if password is None else f"{head}:***{host}"
+
+    text = URL_TOKEN.sub(masked, text)
+    for secret in sorted(secrets, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def check_readable(storage: str) -> None:
+    """UserError unless ``storage`` already holds an Optuna storage: opening one with Optuna creates what is
+    missing (an SQLite file, a journal file, the tables of an RDB), so a command that only reads looks first."""
+    kind = storage_kind(storage)
+    if kind is StorageKind.SQLITE and not Path(storage.removeprefix("sqlite:///")).exists():
+        raise UserError(source="--storage", key=storage, why="no such SQLite file (reading never creates one)")
+    if kind is StorageKind.JOURNAL and not Path(storage.removeprefix("journal://")).exists():
+        raise UserError(source="--storage", key=storage, why="no such journal file (reading never creates one)")
+    if kind is not StorageKind.JOURNAL and not _holds_optuna_tables(storage):
+        raise UserError(source="--storage", key=redact(storage), why="holds no Optuna study tables (an empty or "
+                        "foreign database); reading never writes them")
 
 
 def load_stored_study(*, name: str, default_path: Path, storage: str | None, study_path: Path,
@@ -152,11 +240,7 @@ def load_stored_study(*, name: str, default_path: Path, storage: str | None, stu
             raise UserError(source=str(study_path), key="study", why=f"no study storage at {default_path}; run "
                             f"'dsopt study run {study_path}' first")
         storage = f"sqlite:///{default_path.resolve()}"
-    kind = storage_kind(storage)
-    if kind is StorageKind.SQLITE and not Path(storage.removeprefix("sqlite:///")).exists():
-        raise UserError(source="--storage", key=storage, why="no such SQLite file (reading never creates one)")
-    if kind is StorageKind.JOURNAL and not Path(storage.removeprefix("journal://")).exists():
-        raise UserError(source="--storage", key=storage, why="no such journal file (reading never creates one)")
+    check_readable(storage)
     opened = open_storage(storage, workers=workers or WorkerSettings())
     try:
         return optuna.load_study(study_name=name, storage=opened)

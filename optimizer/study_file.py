@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from optimizer import limits
 from optimizer.cluster_settings import BudgetSettings, SlurmSettings, WorkerSettings
 from optimizer.errors import UserError
 from optimizer.hardware_profiles import profile_named
@@ -151,6 +152,33 @@ def _positive_int(value: Any) -> int:
     return count
 
 
+def _count_within(limit: int, what: str) -> Callable[[Any], int]:
+    """A positive whole number no greater than ``limit`` (:mod:`optimizer.limits`)."""
+    def parse(value: Any) -> int:
+        count = _positive_int(value)
+        if why := limits.beyond(count, limit, what):
+            raise ValueError(why)
+        return count
+
+    return parse
+
+
+def _bytes_within(limit: int, what: str) -> Callable[[Any], int]:
+    """A byte size no greater than ``limit`` (:mod:`optimizer.limits`)."""
+    def parse(value: Any) -> int:
+        size = parse_bytes(value)
+        if why := limits.beyond(size, limit, what, unit="bytes"):
+            raise ValueError(why)
+        return size
+
+    return parse
+
+
+_POSITIONS = _count_within(limits.MAX_TOKENS, "context length")
+_HOST_BYTES = _bytes_within(limits.MAX_HOST_BYTES, "host memory")
+_DEVICE_BYTES = _bytes_within(limits.MAX_DEVICE_BYTES, "device memory")
+
+
 def _text(value: Any) -> str:
     if not isinstance(value, str):
         raise ValueError(f"expected text, got {type(value).__name__}")
@@ -235,10 +263,10 @@ def _parse_model(section: _Section, *, sequence_length: int, study_dir: Path) ->
     try:
         if kind == "seed":
             model: ModelSpec = SeedModel(
-                parameters=section.get("parameters", _positive_int),
+                parameters=section.get("parameters", _count_within(limits.MAX_PARAMETERS, "model")),
                 activation_bytes=section.get("activation_bytes", _activation_table),
                 activation_precision=section.get("activation_precision", _enum(Precision), Precision.FP32),
-                buffer_bytes=section.get("buffer_bytes", parse_bytes, 0),
+                buffer_bytes=section.get("buffer_bytes", _DEVICE_BYTES, 0),
             )
         elif "hf_config" in section.raw:
             model = TransformerModel(
@@ -247,15 +275,15 @@ def _parse_model(section: _Section, *, sequence_length: int, study_dir: Path) ->
                 activations=section.get("activations", _enum(ActivationSource), ActivationSource.AUTO),
             )
         else:
-            heads = section.get("heads", _positive_int)
-            hidden = section.get("hidden_size", _positive_int)
+            heads = section.get("heads", _count_within(limits.MAX_WIDTH, "attention head count"))
+            hidden = section.get("hidden_size", _count_within(limits.MAX_WIDTH, "hidden size"))
             model = TransformerModel(
-                layers=section.get("layers", _positive_int),
+                layers=section.get("layers", _count_within(limits.MAX_LAYERS, "layer count")),
                 hidden_size=hidden,
                 heads=heads,
-                kv_heads=section.get("kv_heads", _positive_int, heads),
-                ffn_size=section.get("ffn_size", _positive_int, 4 * hidden),
-                vocab_size=section.get("vocab_size", _positive_int),
+                kv_heads=section.get("kv_heads", _count_within(limits.MAX_WIDTH, "key/value head count"), heads),
+                ffn_size=section.get("ffn_size", _count_within(limits.MAX_FFN, "MLP width"), 4 * hidden),
+                vocab_size=section.get("vocab_size", _count_within(limits.MAX_VOCAB, "vocabulary")),
                 tied_embeddings=section.get("tied_embeddings", _bool, True),
                 attention=section.get("attention", _enum(AttentionKind), AttentionKind.EAGER),
                 mlp=section.get("mlp", _enum(MlpKind), MlpKind.GELU),
@@ -263,7 +291,7 @@ def _parse_model(section: _Section, *, sequence_length: int, study_dir: Path) ->
                 bias=section.get("bias", _bool, True),
                 position_embedding=section.get("position_embedding", _enum(PositionKind), PositionKind.LEARNED),
                 dropout=section.get("dropout", _bool, True),
-                max_positions=section.get("max_positions", _positive_int, sequence_length),
+                max_positions=section.get("max_positions", _POSITIONS, sequence_length),
                 entry_point=section.get("entry_point", _entry_point, None),
                 activations=section.get("activations", _enum(ActivationSource), ActivationSource.AUTO),
             )
@@ -340,7 +368,7 @@ def _parse_hardware(section: _Section) -> HardwareSpec:
         (Precision.FP32, Precision.BF16) if accelerator is Accelerator.CPU else tuple(Precision)
     )
     nvme_path = section.get("nvme_path", _path_text, None)
-    nvme_bytes = section.get("nvme_capacity", parse_bytes, None)
+    nvme_bytes = section.get("nvme_capacity", _bytes_within(limits.MAX_NVME_BYTES, "NVMe capacity"), None)
     if nvme_path is not None and nvme_bytes is None:
         # The capacity is read from the path itself: the path must then exist here.
         if not Path(nvme_path).is_dir():
@@ -350,12 +378,12 @@ def _parse_hardware(section: _Section) -> HardwareSpec:
     try:
         hardware = HardwareSpec(
             accelerator=accelerator,
-            nodes=section.get("nodes", _positive_int, 1),
-            gpus_per_node=section.get("gpus_per_node", _positive_int),
-            gpu_memory_bytes=section.get("gpu_memory", parse_bytes),
-            device_reserve_bytes=section.get("device_reserve", parse_bytes, 0),
+            nodes=section.get("nodes", _count_within(limits.MAX_DEVICES, "node count"), 1),
+            gpus_per_node=section.get("gpus_per_node", _count_within(limits.MAX_DEVICES, "devices per node")),
+            gpu_memory_bytes=section.get("gpu_memory", _DEVICE_BYTES),
+            device_reserve_bytes=section.get("device_reserve", _DEVICE_BYTES, 0),
             allocator_overhead=section.get("allocator_overhead", _fraction, 0.0),
-            host_memory_bytes=section.get("host_memory", parse_bytes, None),
+            host_memory_bytes=section.get("host_memory", _HOST_BYTES, None),
             nvme_path=nvme_path,
             nvme_bytes=nvme_bytes,
             supported_precisions=section.get("supported_precisions", _precision_list, default_precisions),
@@ -391,9 +419,9 @@ def _precision_list(value: Any) -> tuple[Precision, ...]:
 
 def _parse_training(section: _Section) -> TrainingSpec:
     return _built(section, lambda: TrainingSpec(
-        global_batch_size=section.get("global_batch_size", _positive_int),
-        micro_batch_size=section.get("micro_batch_size", _positive_int),
-        sequence_length=section.get("sequence_length", _positive_int),
+        global_batch_size=section.get("global_batch_size", _count_within(limits.MAX_BATCH, "batch")),
+        micro_batch_size=section.get("micro_batch_size", _count_within(limits.MAX_BATCH, "batch")),
+        sequence_length=section.get("sequence_length", _count_within(limits.MAX_TOKENS, "sequence length")),
         optimizer=section.get("optimizer", _enum(Optimizer), Optimizer.ADAM),
         learning_rate=section.get("learning_rate", _fraction, 1e-3),
         weight_decay=section.get("weight_decay", _fraction, 0.0),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +147,20 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused(value, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["worker", "studies/cpu-tiny.yaml", "--timeout", value])
     assert exited.value.code == 2 and "positive number of seconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", ["empty", "foreign"])
+def test_an_empty_or_foreign_sqlite_file_is_left_as_it_was(tmp_path, repo_root, capsys, monkeypatch, content):
+    monkeypatch.chdir(repo_root)
+    path = tmp_path / "other.db"
+    if content == "empty":
+        path.touch()
+    else:
+        with sqlite3.connect(path) as db:
+            db.execute("CREATE TABLE users (name TEXT)")
+            db.execute("INSERT INTO users VALUES ('alice')")
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert main(["pareto", "studies/cpu-tiny.yaml", "--storage", f"sqlite:///{path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no Optuna study tables" in err
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before

@@ -99,6 +99,13 @@ def test_selective_checkpointing_is_invalid_for_a_transformers_model(tmp_path):
         ({"num_key_value_heads": 0}, "num_key_value_heads", "positive integer"),  # would become the default
         ({"max_position_embeddings": 0}, "max_position_embeddings", "positive integer"),
         ({"attention_dropout": [1]}, "attention_dropout", "expected a number"),
+        # Shape errors name the config's own key, not the study's (kv_heads, hidden_size):
+        ({"num_key_value_heads": 3}, "num_key_value_heads", "do not divide 32 heads"),
+        ({"num_attention_heads": 30}, "num_attention_heads", "does not divide hidden_size 4096"),
+        # Counts beyond any real model (optimizer/limits.py), refused before anything is built:
+        ({"num_hidden_layers": 10**6}, "num_hidden_layers", "beyond any real layer count"),
+        ({"intermediate_size": 10**9}, "intermediate_size", "beyond any real MLP width"),
+        ({"vocab_size": 10**9}, "vocab_size", "beyond any real vocabulary"),
     ],
 )
 def test_a_bad_config_names_its_file_and_key(tmp_path, change, key, why):
@@ -152,3 +159,20 @@ def test_the_candidates_dtype_wins_over_the_configs(tmp_path, dtype_key):
     for dtype in (torch.float32, torch.bfloat16):
         model = build_hf_model(planned, attention="eager", checkpointing="none", dtype=dtype)
         assert {p.dtype for p in model.parameters()} == {dtype}
+
+
+GPT2_TINY = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}
+
+
+@pytest.mark.parametrize(
+    ("change", "key", "why"),
+    [
+        ({"n_head": 5}, "n_head", "does not divide n_embd 64"),  # GPT-2's own names, not transformers' common ones
+        ({"n_layer": 10**8}, "n_layer", "beyond any real layer count"),  # before transformers builds 10^8 of anything
+        ({"n_embd": 0}, "n_embd", "positive integer"),
+    ],
+)
+def test_a_bad_family_config_names_the_key_as_the_file_spells_it(tmp_path, change, key, why):
+    with pytest.raises(UserError) as info:
+        load_study(_study(tmp_path, {**GPT2_TINY, **change}))
+    assert info.value.source == str(tmp_path / "config.json") and info.value.key == key and why in info.value.why

@@ -19,7 +19,7 @@ from optimizer.search import (
     sample_candidate,
 )
 from optimizer.specs import baseline_candidate
-from optimizer.storage import redact
+from optimizer.storage import connection_url, redact
 from optimizer.study_file import load_study
 from optimizer.trial_result import Outcome, RankMeasurement, TrialResult
 
@@ -83,6 +83,20 @@ def test_passwords_are_masked():
     assert redact("sqlite:////tmp/x.db") == "sqlite:////tmp/x.db"
 
 
+@pytest.mark.parametrize("password", ["p@ss", "a:b@c/d", "@@", "x y", "100%", "p%40ss", "/:@?#"])
+def test_any_password_is_masked_by_parsing_and_connects_as_written(password):
+    url = f"postgresql://alice:{password}@db.example:5432/studies"
+    assert redact(url) == "postgresql://alice:***@db.example:5432/studies"
+    message = f"cannot reach {url}; the server said: password {password} was refused"
+    assert password not in redact(message, url=url)
+    # What SQLAlchemy is given parses back to the password as typed ('@' encoded; its pattern stops at '@').
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(connection_url(url))
+    if "%" not in password:  # a '%xx' the user wrote stays theirs to mean: SQLAlchemy decodes it
+        assert (parsed.password, parsed.host, parsed.port, parsed.database) == (password, "db.example", 5432, "studies")
+
+
 def _ok() -> TrialResult:
     rank = RankMeasurement(rank=0, peak_allocated_bytes=1_000_000, peak_reserved_bytes=None, peak_rss_bytes=10**8,
                            step_times_s=(0.1,), training_peak_allocated_bytes=900_000,
@@ -127,3 +141,50 @@ def test_a_failure_that_stands_is_reused(repo_root, outcome):
     assert len(calls) == (2 if outcome is Outcome.TIMEOUT else 1)  # an OOM is the candidate's: never retried
     assert all(t.state is optuna.trial.TrialState.FAIL for t in trials)
     assert trials[0].user_attrs["outcome"] == outcome.value and trials[1].user_attrs["reused_from"] == 0
+
+
+def _measured(training_bytes: int) -> TrialResult:
+    rank = RankMeasurement(rank=0, peak_allocated_bytes=training_bytes, peak_reserved_bytes=None,
+                           peak_rss_bytes=10**8, step_times_s=(0.1,), training_peak_allocated_bytes=training_bytes,
+                           init_peak_allocated_bytes=1000)
+    return TrialResult(outcome=Outcome.OK, ranks=(rank,), losses=(5.0,), step_time_s=0.1, tokens_per_s=1000.0,
+                       loss_fidelity=0.0)
+
+
+def test_a_run_measured_over_the_budget_is_an_oom_kept_as_data(repo_root):
+    """On CPU ranks nothing runs out of memory at the budget: the study applies it. One byte over is ``oom``
+    (FAIL, never on the front, reused, its memory and time fed to calibration); exactly the budget fits."""
+    from dataclasses import replace
+
+    from optimizer.ordering import memory_group, study_models
+
+    spec = load_study(repo_root / "studies" / "cpu-tiny.yaml")
+    base = baseline_candidate(spec.training)
+    other = replace(base, zero_stage=ZeroStage.OPTIMIZER)
+    need = evaluate(candidate=base, model=spec.model, hardware=spec.hardware, training=spec.training).ledger
+    budget = 4 * need.training_needed_bytes  # far below: no launch rule holds either candidate back
+    spec = replace(spec, hardware=replace(spec.hardware, gpu_memory_bytes=budget))
+    over = budget + 12_345
+    answers = {candidate_key(base): over, candidate_key(other): budget}
+    calls = []
+
+    def runner(candidate):
+        calls.append(candidate)
+        return _measured(answers[candidate_key(candidate)])
+
+    space = branches(spec)
+    study = optuna.create_study(directions=list(DIRECTIONS))
+    for candidate in (base, base, other):
+        study.enqueue_trial(distribution_params(candidate, space))
+    study.optimize(make_objective(spec=spec, space=space, runner=runner), n_trials=3, catch=(TrialFailed,))
+    first, again, fits = study.get_trials()
+    assert len(calls) == 2  # the over-budget candidate is not launched again
+    assert first.state is optuna.trial.TrialState.FAIL and first.user_attrs["outcome"] == "oom"
+    assert "exceeds the per-device budget" in first.user_attrs["message"]
+    assert first.user_attrs["device_share_bytes"] == over
+    assert again.state is optuna.trial.TrialState.FAIL and again.user_attrs["reused_from"] == first.number
+    assert fits.state is optuna.trial.TrialState.COMPLETE and fits.values[0] == budget
+    assert [t.number for t in feasible_front(study)] == [fits.number]
+    models = study_models(spec=spec, trials=study.get_trials(), base=base)
+    assert models.memory_factor(base) == pytest.approx(over / first.user_attrs["predicted_training_needed_bytes"])
+    assert memory_group(base) != memory_group(other) and models.time_samples == 2

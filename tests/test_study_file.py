@@ -86,6 +86,16 @@ def test_repository_studies_load(repo_root):
         ("  gpus_per_node: 2\n", "  gpus_per_node: 2\n  nvme_path: ''\n", "hardware.nvme_path", "non-empty"),
         ("  gpus_per_node: 2\n", "  gpus_per_node: 2\n  nvme_bandwidth: 0 GB/s\n", "hardware.nvme_bandwidth",
          "above 0"),
+        # Beyond any real model or device (optimizer/limits.py): refused at once, before any per-layer work.
+        ("  layers: 2\n", "  layers: 100000\n", "model.layers", "beyond any real layer count"),
+        ("  hidden_size: 64\n", "  hidden_size: 1.0e+9\n", "model.hidden_size", "beyond any real hidden size"),
+        ("  vocab_size: 128\n", "  vocab_size: 1e12\n", "model.vocab_size", "beyond any real vocabulary"),
+        ("  sequence_length: 32\n", "  sequence_length: 1e26\n", "training.sequence_length",
+         "beyond any real sequence length"),
+        ("  global_batch_size: 8\n", "  global_batch_size: 1e9\n", "training.global_batch_size", "beyond any real"),
+        ("  gpu_memory: 8 GiB\n", "  gpu_memory: 80000 TB\n", "hardware.gpu_memory", "beyond any real device memory"),
+        ("  host_memory: 24 GiB\n", "  host_memory: 2000000 TiB\n", "hardware.host_memory", "beyond any real host"),
+        ("  gpus_per_node: 2\n", "  gpus_per_node: 2000000\n", "hardware.gpus_per_node", "beyond any real"),
     ],
 )
 def test_bad_study_names_file_key_and_why(tmp_path, old, new, key, why):
