@@ -1,6 +1,8 @@
 """Search efficiency: replay search strategies against a recorded grid of real measurements (issue 6).
 
-    python benchmarks/search_efficiency.py [--grid benchmarks/data/grid-cpu.json] [--seeds 20]
+    python benchmarks/search_efficiency.py [--grid GRID.json ...] [--seeds 20]
+
+Default: both recorded grids, benchmarks/data/grid-cpu.json and benchmarks/data/grid-llama-cpu.json.
 
 The grid (benchmarks/record_grid.py) holds one real DeepSpeed measurement per valid candidate. A strategy
 "launches" a candidate by looking its measurement up; what counts is how many launches it needs before it
@@ -12,8 +14,10 @@ memory); **feasible** = ran ok, no OOM, loss fidelity within the precision's tol
 
 Strategies:
 * **dsopt** — the study as built (launchers/study_run.run_study): ledger pruning with the calibrated memory
-  factor, the enqueued seeds, calibrated time-model ordering with every 3rd launch left to TPE; the launches
-  are replaced by look-ups (its ``runner``), everything else is the real code, on a SQLite storage.
+  factor, the launch margin (optimizer/ordering.launchable), the enqueued seeds, calibrated time-model
+  ordering with every 3rd launch left to TPE; the launches are replaced by look-ups (its ``runner``, which
+  returns the recorded measurement: the study itself judges it against the budget), everything else is the
+  real code, on a SQLite storage. Its progress lines are not printed.
 * **autotuner** — DeepSpeed's Autotuner walk as its source implements it (deepspeed/autotuning/autotuner.py:
   tune, tune_space, get_min_max_micro_batch_size, get_tuning_micro_batch_size_list): ZeRO stages in order;
   per stage the maximum micro-batch from its memory model ((budget − Adam model states of the stage) //
@@ -28,7 +32,8 @@ Strategies:
 
 A strategy that samples a candidate it already launched reuses the result (no launch). Reported per strategy
 over the seeds: launches to ≥ 98 % of the best (median, worst; "never" counts as all its launches), OOM
-launches, and for dsopt the false prunes (pruned by the ledger, measured to fit) and the time model's
+launches, and for dsopt the false prunes (pruned by the ledger, never launched, measured to fit), the
+candidates held by the launch margin and never launched that measured to fit, and the time model's
 Spearman rank correlation with the measured throughput of every ok candidate (calibrated on the trials of a
 run, median over runs). Asserts nothing.
 """
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import random
 import statistics
@@ -61,6 +67,8 @@ from optimizer.trial_result import Outcome, RankMeasurement, TrialResult
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.98
+GRIDS = (ROOT / "benchmarks" / "data" / "grid-cpu.json", ROOT / "benchmarks" / "data" / "grid-llama-cpu.json")
+"""The recorded grids: the built-in tiny GPT and a 4-layer GQA Llama (``record_grid.py``)."""
 
 
 class StopReplay(Exception):
@@ -104,6 +112,7 @@ class Run:
     launched: list[str]
     reached_at: int | None = None
     false_prunes: int = 0
+    held_fits: int = 0
     spearman: float | None = None
 
     def launch(self, grid: Grid, label: str) -> dict:
@@ -143,15 +152,19 @@ def run_dsopt(grid: Grid, seed: int, folder: Path) -> Run:
 
     storage = f"sqlite:///{folder / f'dsopt-{seed}.db'}"
     spec = grid.spec
-    with contextlib.suppress(StopReplay):
+    with contextlib.suppress(StopReplay), contextlib.redirect_stderr(io.StringIO()):  # the table only
         run_study(spec=spec, storage=storage, n_trials=None, timeout_s=None, runner=runner,
                   reference=lambda: [], sampler=optuna.samplers.TPESampler(seed=seed))
     study = optuna.load_study(study_name=spec.name, storage=storage)
     trials = study.get_trials(deepcopy=False)
     base = baseline_candidate(spec.training)
-    pruned = {candidate_of(t.user_attrs["candidate"], base).label() for t in trials
-              if t.state is optuna.trial.TrialState.PRUNED and "does not fit" in t.user_attrs.get("pruned_reason", "")}
-    run.false_prunes = sum(1 for label in pruned if _fits(grid, grid.entries[label]))
+    def refused(held: bool) -> set[str]:
+        return {candidate_of(t.user_attrs["candidate"], base).label() for t in trials
+                if t.state is optuna.trial.TrialState.PRUNED and bool(t.user_attrs.get("held")) is held
+                and ("does not fit" in t.user_attrs.get("pruned_reason", "") or held)} - set(run.launched)
+
+    run.false_prunes = sum(1 for label in refused(False) if _fits(grid, grid.entries[label]))
+    run.held_fits = sum(1 for label in refused(True) if _fits(grid, grid.entries[label]))
     models = study_models(spec=spec, trials=trials, base=base)
     run.spearman = spearman_of(grid, models.rates)
     return run
@@ -332,45 +345,53 @@ def summarize(name: str, runs: list[Run], grid: Grid) -> str:
                                   if never else "")
     ooms = [r.ooms(grid) for r in runs]
     false = [r.false_prunes for r in runs]
+    held = [r.held_fits for r in runs]
     rho = [r.spearman for r in runs if r.spearman is not None]
     return (f"| {name} | {len(runs)} | {text(statistics.median(launches))} | {worst} | "
             f"{statistics.median(ooms):g} (max {max(ooms)}) | {statistics.median(false):g} (max {max(false)}) | "
+            f"{statistics.median(held):g} (max {max(held)}) | "
             + (f"{statistics.median(rho):.2f}" if rho else "-") + " |")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--grid", default=str(ROOT / "benchmarks" / "data" / "grid-cpu.json"))
+    parser.add_argument("--grid", nargs="+", default=[str(p) for p in GRIDS], help="recorded grid(s)")
     parser.add_argument("--seeds", type=int, default=20)
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    grid = load_grid(Path(args.grid))
+    for path in args.grid:
+        report(Path(path), seeds=args.seeds)
+    return 0
+
+
+def report(path: Path, *, seeds: int) -> None:
+    """The grid's summary and the strategies' table."""
+    grid = load_grid(path)
     spec = grid.spec
     entries = list(grid.entries.values())
     feasible = [e for e in entries if grid.feasible(e)]
     best = max(feasible, key=lambda e: e["tokens_per_s"])
     static_false = sum(1 for e in entries if not e["ledger_fits"] and _fits(grid, e))
     measured_fit = sum(1 for e in entries if _fits(grid, e))
-    machine = json.loads(Path(args.grid).read_text())["machine"]["cpu"]
-    print(f"grid {Path(args.grid).name}: {len(entries)} candidates on {machine}; "
+    machine = json.loads(path.read_text())["machine"]["cpu"]
+    print(f"\ngrid {path.name}: {len(entries)} candidates on {machine}; "
           f"{len(feasible)} feasible, {sum(grid.oom(e) for e in entries)} OOM (device share > "
           f"{spec.hardware.gpu_memory_bytes / 1e6:g} MB per rank); best {best['tokens_per_s']:,.0f} tokens/s "
           f"({best['label']}); target ≥ {TARGET:.0%} = {TARGET * best['tokens_per_s']:,.0f} tokens/s; "
           f"{sum(grid.hit(e) for e in entries)} candidate(s) reach it")
-    print(f"uncalibrated ledger: {static_false} false prune(s) of {measured_fit} candidates measured to fit "
+    print(f"ledger when recorded: {static_false} false prune(s) of {measured_fit} candidates measured to fit "
           f"({static_false / max(1, measured_fit):.1%})\n")
     print("| strategy | runs | launches to ≥98% best, median | worst | OOM launches | false prunes | "
-          "time-model Spearman ρ |")
-    print("|---|---|---|---|---|---|---|")
+          "held, never launched, measured to fit | time-model Spearman ρ |")
+    print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
         rows = [
-            summarize("dsopt", [run_dsopt(grid, seed, Path(folder)) for seed in range(args.seeds)], grid),
+            summarize("dsopt", [run_dsopt(grid, seed, Path(folder)) for seed in range(seeds)], grid),
             summarize("autotuner walk", [run_autotuner(grid)], grid),
-            summarize("TPE, no ledger", [run_tpe(grid, seed) for seed in range(args.seeds)], grid),
-            summarize("random", [run_random(grid, seed) for seed in range(args.seeds)], grid),
+            summarize("TPE, no ledger", [run_tpe(grid, seed) for seed in range(seeds)], grid),
+            summarize("random", [run_random(grid, seed) for seed in range(seeds)], grid),
         ]
-    print("\n".join(rows))
-    return 0
+    print("\n".join(rows), flush=True)
 
 
 if __name__ == "__main__":

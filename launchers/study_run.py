@@ -43,6 +43,7 @@ from optimizer.ordering import (
     EXPLORE_EVERY,
     StudyModels,
     calibrated_verdict_fits,
+    launchable,
     predicted_speed,
     study_models,
 )
@@ -76,13 +77,15 @@ def default_storage(spec: StudySpec) -> str:
 
 
 def counts(study: optuna.Study, *, trials: list[optuna.trial.FrozenTrial] | None = None) -> dict[str, int]:
-    """Trials by kind: measured, reused, pruned, failed, running."""
+    """Trials by kind: measured, reused, pruned (by the ledger), held (by the launch margin), failed, running."""
     trials = study.get_trials(deepcopy=False) if trials is None else trials
     complete = [t for t in trials if t.state is TrialState.COMPLETE]
+    pruned = [t for t in trials if t.state is TrialState.PRUNED]
     return {
         "measured": sum(1 for t in complete if "reused_from" not in t.user_attrs),
         "reused": sum(1 for t in complete if "reused_from" in t.user_attrs),
-        "pruned": sum(1 for t in trials if t.state is TrialState.PRUNED),
+        "pruned": sum(1 for t in pruned if not t.user_attrs.get("held")),
+        "held": sum(1 for t in pruned if t.user_attrs.get("held")),
         "failed": sum(1 for t in trials if t.state is TrialState.FAIL),
         "running": sum(1 for t in trials if t.state is TrialState.RUNNING),
     }
@@ -102,8 +105,8 @@ def _progress(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
     fastest = max(best, key=lambda t: t.values[1]) if best else None
     best_text = f"fastest feasible #{fastest.number} {fastest.values[1]:,.0f} tokens/s" if fastest else "none yet"
     print(f"[{frozen.user_attrs.get(WORKER_ATTR, '?')} trial {frozen.number}] {what} {knobs} | measured "
-          f"{c['measured']} reused {c['reused']} pruned {c['pruned']} failed {c['failed']} running {c['running']} "
-          f"| best: {best_text}", file=sys.stderr, flush=True)
+          f"{c['measured']} reused {c['reused']} pruned {c['pruned']} held {c['held']} failed {c['failed']} "
+          f"running {c['running']} | best: {best_text}", file=sys.stderr, flush=True)
 
 
 def _say(worker: str, text: str) -> None:
@@ -218,10 +221,12 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
         trials = study.get_trials(deepcopy=False)
         current[0] = _refresh_models(study, spec=spec, trials=trials, base=base)
         fitting = {candidate_key(v.candidate) for v in verdicts
-                   if calibrated_verdict_fits(v, models=current[0], key=candidate_key(v.candidate),
-                                              budget_bytes=v.ledger.gpu_capacity_bytes)}
+                   if launchable(v, models=current[0], key=candidate_key(v.candidate),
+                                 budget_bytes=v.ledger.gpu_capacity_bytes)}
+        held = sum(1 for v in verdicts if candidate_key(v.candidate) not in fitting and calibrated_verdict_fits(
+            v, models=current[0], key=candidate_key(v.candidate), budget_bytes=v.ledger.gpu_capacity_bytes))
         stop = _stop_reason(trials=trials, spec=spec, gate=gate, fitting=fitting, ran=ran, n_trials=n_trials,
-                            elapsed_s=time.monotonic() - start, timeout_s=timeout_s)
+                            elapsed_s=time.monotonic() - start, timeout_s=timeout_s, held=held)
         if stop is WAIT:
             if not announced_wait:
                 _say(worker, WAIT.text)
@@ -261,7 +266,8 @@ def _guide(study: optuna.Study, *, spec: StudySpec, space: Branches, trials: lis
 
 
 def _stop_reason(*, trials: list[optuna.trial.FrozenTrial], spec: StudySpec, gate: LaunchGate, fitting: set[str],
-                 ran: int, n_trials: int | None, elapsed_s: float, timeout_s: float | None) -> StopReason | None:
+                 ran: int, n_trials: int | None, elapsed_s: float, timeout_s: float | None,
+                 held: int = 0) -> StopReason | None:
     """Why to stop, :data:`WAIT` (only candidates in flight elsewhere are left), or None (run a trial)."""
     if n_trials is not None and ran >= n_trials:
         return StopReason(text=f"this worker ran its {n_trials} trial(s)")
@@ -272,8 +278,11 @@ def _stop_reason(*, trials: list[optuna.trial.FrozenTrial], spec: StudySpec, gat
         return StopReason(text=f"the study's budget is spent: {spent}")
     left = fitting - final_keys(trials)
     if not left:
-        return StopReason(text=f"the search space is exhausted: all {len(fitting)} fitting candidate(s) have a "
-                               "result")
+        return StopReason(text=f"the search space is exhausted: all {len(fitting)} candidate(s) that may be "
+                               "launched have a result" + (f"; {held} more predicted to fit are held back by the "
+                                                            "launch margin (their need is too close to the budget "
+                                                            "for what the study has measured of its ledger)"
+                                                            if held else ""))
     waiting = any(t.state is TrialState.WAITING for t in trials)
     in_flight = {t.user_attrs.get("candidate_key") for t in trials if t.state is TrialState.RUNNING}
     if not waiting and left <= in_flight:

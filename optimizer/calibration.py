@@ -106,6 +106,8 @@ class MemorySample:
     """The measured per-rank peak."""
     fits_budget_bytes: int | None
     """The per-rank budget the verdict compares against (None: not compared)."""
+    estimated_bytes: int = 0
+    """Of ``predicted_bytes``, what the ledger estimates rather than counts (activations, transient buffers)."""
 
 
 def memory_factor(samples: Sequence[MemorySample]) -> float:

@@ -247,8 +247,8 @@ def _run(study: StudySpec, storage: str, args: argparse.Namespace, *, parallel: 
     c = counts(result)
     who = " (all workers)" if parallel else ""
     print(f"study {study.name}{who}: {c['measured']} measured, {c['reused']} reused, {c['pruned']} pruned by the "
-          f"ledger, {c['failed']} failed, {c['running']} running; feasible Pareto front: "
-          f"{len(result.best_trials)} trial(s)")
+          f"ledger, {c['held']} held by the launch margin, {c['failed']} failed, {c['running']} running; feasible "
+          f"Pareto front: {len(result.best_trials)} trial(s)")
     print(f"storage: {redact(storage)}")
     return 0
 
@@ -426,7 +426,8 @@ def _demo(args: argparse.Namespace) -> int:
     c, trial = demo.counts, demo.picked
     print(front_table(demo.study, budget_bytes=study.hardware.gpu_memory_bytes))
     print(f"\ntrials: {c['measured']} launched and measured, {c['reused']} reused, {c['pruned']} pruned by the "
-          f"ledger (never launched), {c['failed']} failed; wall time {demo.wall_s:.0f} s")
+          f"ledger (never launched), {c['held']} held by the launch margin, {c['failed']} failed (oom included); wall "
+          f"time {demo.wall_s:.0f} s")
     print(f"picked (balanced): trial #{trial.number} {trial.user_attrs['candidate']}: {trial.values[0] / 1e6:.3f} MB "
           f"per rank, {trial.values[1]:,.0f} tokens/s, loss fidelity {trial.user_attrs.get('loss_fidelity', 0):.1e}")
     print(f"DeepSpeed config: {demo.config_path}\nPareto plots: {demo.png_path}, {demo.html_path}")

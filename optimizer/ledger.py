@@ -151,6 +151,19 @@ class Ledger:
             + self.device_reserve_bytes
 
     @property
+    def estimated_bytes(self) -> int:
+        """Of training's device peak, the bytes the ledger *estimates* rather than counts: activations (a trace
+        or a formula) and the transient buffers (ZeRO-3's gathered parameters, buckets). Model states —
+        parameters, gradients, optimizer states, master weights — are counted from the parameter inventory
+        and DeepSpeed's own partitioning, checked byte for byte on real ranks (tests/deepspeed/
+        test_model_states_real.py). The launch margin scales with this share (:mod:`optimizer.ordering`)."""
+        transient = max(TRANSIENT_PHASES, key=lambda ph: (self._phase_bytes(Location.GPU, ph),
+                                                           -TRANSIENT_PHASES.index(ph)))
+        live = self._at(Location.GPU, Phase.ALWAYS) + self._at(Location.GPU, transient)
+        return sum(i.bytes for i in live if i.category is Category.ACTIVATIONS
+                   or (i.category is Category.BUFFERS and i.phase is not Phase.ALWAYS))
+
+    @property
     def init_needed_bytes(self) -> int:
         """Device memory the init phase needs: its allocated peak × (1 + overhead), rounded up, + device reserve."""
         return math.ceil(self.init_bytes_at(Location.GPU) * (1.0 + self.allocator_overhead)) \

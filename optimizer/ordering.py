@@ -14,6 +14,7 @@ measured trials, stores them in the study (``dsopt_calibration``) and uses them 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -32,7 +33,21 @@ EXPLORE_EVERY = 3
 """Every third trial of a worker is the sampler's choice, the others the model's."""
 CALIBRATION_ATTR = "dsopt_calibration"
 """Study attribute holding the latest corrections."""
-
+MIN_MARGIN = 0.03
+"""Always kept free, as a fraction of the candidate's need: CPU-rank jitter between identical ZeRO-3 runs
+(qwen2-tiny: 4.729, 4.860, 4.877 MB, 3 %); on the recorded grids a group's ratios spread by ≤ 3.7 % across
+micro-batch sizes."""
+ESTIMATE_PRIOR = 0.5
+"""How far the *estimated* bytes (activations, transient buffers: :attr:`Ledger.estimated_bytes`) may exceed
+the ledger before the study has measured its own: the recorded grids' worst, (measured − predicted −
+:data:`MIN_MARGIN`·need) / estimated, is 0.43 (grid-cpu, z2 bf16 ckpt=full mbs=1 opt->cpu; README "The launch
+policy"). Counted bytes (model states) get no such margin: they are exact."""
+PRIOR_MARGIN = 0.20
+"""On a GPU, until the study has measured it, at least this fraction of the need is kept free: the allocator's
+fragmentation and the CUDA context are not measured on CPU ranks. Published anchor: no OOM in 454 runs whose
+estimate was under 80 % of device memory (Fujii et al. 2024, arXiv:2411.06465)."""
+EARN_SAMPLES = 3
+"""Memory samples after which the priors give way to what the study measured of its own ledger."""
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StudyModels:
@@ -47,6 +62,36 @@ class StudyModels:
     """Measured trials behind ``rates``."""
     measured_fits: frozenset[str]
     """Candidate keys measured to fit (never pruned)."""
+    memory_samples: int = 0
+    """Trials whose device memory was measured (or bounded by an OOM) in this study."""
+    worst_under: float = 0.0
+    """The ledger's largest under-prediction seen in this study, uncorrected: max(measured / predicted) − 1
+    over its memory samples (0 when it never under-predicted)."""
+    estimate_error: float = 0.0
+    """The largest relative miss of the estimated bytes seen in this study: max of (measured − predicted −
+    :data:`MIN_MARGIN`·predicted) / estimated over the samples with estimated bytes (0 if none missed)."""
+    group_spread: float = 0.0
+    """How far a measurement strayed from its own group's factor: max |measured / (k·predicted) − 1| over the
+    samples of groups with a factor (0 with one sample per group)."""
+
+    def margin_bytes(self, verdict: Verdict) -> int:
+        """Bytes of the budget kept free when the candidate is launched (:func:`launchable`).
+
+        A group with measurements: ``max(MIN_MARGIN, group_spread)`` of its calibrated need. Otherwise
+        ``MIN_MARGIN``·need + u·estimated, u = :data:`ESTIMATE_PRIOR` until the study has
+        :data:`EARN_SAMPLES` memory samples, then the study's own ``estimate_error``; on a GPU at least
+        :data:`PRIOR_MARGIN`·need until then, the study's ``worst_under``·need after."""
+        ledger = verdict.ledger
+        assert ledger is not None
+        need = ledger.training_needed_bytes
+        if memory_group(verdict.candidate) in dict(self.memory_factors):
+            return math.ceil(max(MIN_MARGIN, self.group_spread) * self.memory_factor(verdict.candidate) * need)
+        earned = self.memory_samples >= EARN_SAMPLES
+        u = self.estimate_error if earned else ESTIMATE_PRIOR
+        margin = MIN_MARGIN * need + u * ledger.estimated_bytes
+        if not ledger.device_is_host:
+            margin = max(margin, (self.worst_under if earned else PRIOR_MARGIN) * need)
+        return math.ceil(margin)
 
     def memory_factor(self, candidate: Candidate) -> float:
         """The correction of ``candidate``'s group (1 where nothing of its group was measured)."""
@@ -98,6 +143,12 @@ def device_bytes_measured(trial: optuna.trial.FrozenTrial) -> int:
     return int(measured) - int(attrs.get("predicted_host_bytes", 0))
 
 
+def estimated_bytes(trial: optuna.trial.FrozenTrial) -> int:
+    """The ledger's estimated bytes of the trial's candidate (:attr:`Ledger.estimated_bytes`; 0 for trials
+    recorded before it was kept)."""
+    return int(trial.user_attrs.get("predicted_estimated_bytes", 0))
+
+
 def device_bytes_predicted(trial: optuna.trial.FrozenTrial) -> int:
     """The ledger's device need of training alone (reserved + device reserve), the counterpart of
     :func:`device_bytes_measured` (the whole-run need for trials recorded before it existed)."""
@@ -122,7 +173,8 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
         if needed and device > 0:
             fit = device <= budget
             memory_samples.setdefault(memory_group(candidate), []).append(MemorySample(
-                predicted_bytes=needed, measured_bytes=device, fits_budget_bytes=budget if fit else None))
+                predicted_bytes=needed, measured_bytes=device, fits_budget_bytes=budget if fit else None,
+                estimated_bytes=estimated_bytes(t)))
             if fit:
                 fits.add(t.user_attrs["candidate_key"])
     for t in over_budget_trials(trials):  # a run measured over the budget: its time and its device share
@@ -132,7 +184,7 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
         if device_bytes_predicted(t):
             memory_samples.setdefault(memory_group(candidate), []).append(MemorySample(
                 predicted_bytes=device_bytes_predicted(t), measured_bytes=max(device_bytes_measured(t), budget + 1),
-                fits_budget_bytes=None))
+                fits_budget_bytes=None, estimated_bytes=estimated_bytes(t)))
     for t in trials:  # an OOM that measured nothing says only that the need exceeded the budget: a lower bound
         if t.state is optuna.trial.TrialState.FAIL and t.user_attrs.get("outcome") == "oom" \
                 and "reused_from" not in t.user_attrs and t.user_attrs.get("predicted_gpu_needed_bytes") \
@@ -140,12 +192,20 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
             candidate = candidate_of(t.user_attrs["candidate"], base)
             memory_samples.setdefault(memory_group(candidate), []).append(MemorySample(
                 predicted_bytes=int(t.user_attrs["predicted_gpu_needed_bytes"]), measured_bytes=budget + 1,
-                fits_budget_bytes=None))
+                fits_budget_bytes=None, estimated_bytes=estimated_bytes(t)))
     prior = profile_rates(hardware=spec.hardware)
     rates = fit_rates(time_samples, prior=prior) if len(time_samples) >= MIN_TIME_SAMPLES else prior
     factors = tuple(sorted((group, memory_factor(samples)) for group, samples in memory_samples.items()))
+    every = [(group, s) for group, samples in memory_samples.items() for s in samples if s.predicted_bytes > 0]
+    k = dict(factors)
+    misses = [(s.measured_bytes - (1 + MIN_MARGIN) * s.predicted_bytes) / s.estimated_bytes
+              for _, s in every if s.estimated_bytes > 0]
     return StudyModels(rates=rates, memory_factors=factors, time_samples=len(time_samples),
-                       measured_fits=frozenset(fits))
+                       measured_fits=frozenset(fits), memory_samples=len(every),
+                       worst_under=max([0.0, *(s.measured_bytes / s.predicted_bytes - 1 for _, s in every)]),
+                       estimate_error=max([0.0, *misses]),
+                       group_spread=max([0.0, *(abs(s.measured_bytes / (k[g] * s.predicted_bytes) - 1)
+                                                for g, s in every)]))
 
 
 def calibrated_verdict_fits(verdict: Verdict, *, models: StudyModels, key: str, budget_bytes: int) -> bool:
@@ -160,6 +220,21 @@ def calibrated_verdict_fits(verdict: Verdict, *, models: StudyModels, key: str, 
     return calibrated_fits(predicted_bytes=ledger.training_needed_bytes, budget_bytes=budget_bytes,
                            factor=models.memory_factor(verdict.candidate), measured_fit=measured_fit) \
         and (measured_fit or ledger.init_needed_bytes <= budget_bytes)
+
+
+def launchable(verdict: Verdict, *, models: StudyModels, key: str, budget_bytes: int) -> bool:
+    """Whether to launch a candidate that fits (:func:`calibrated_verdict_fits`): its calibrated device need
+    plus the launch margin (:meth:`StudyModels.margin_bytes`) within the budget, and its init need too — or
+    measured to fit already. A fitting candidate past that is *held*, not pruned: the margin shrinks as the
+    study measures its ledger, and it may be launched then."""
+    ledger = verdict.ledger
+    if ledger is None or not calibrated_verdict_fits(verdict, models=models, key=key, budget_bytes=budget_bytes):
+        return False
+    if key in models.measured_fits:
+        return True
+    margin = models.margin_bytes(verdict)
+    return models.memory_factor(verdict.candidate) * ledger.training_needed_bytes + margin <= budget_bytes \
+        and ledger.init_needed_bytes + MIN_MARGIN * ledger.init_needed_bytes <= budget_bytes
 
 
 def predicted_speed(candidate: Candidate, *, spec: StudySpec, models: StudyModels) -> StepTime | str:

@@ -6,6 +6,8 @@ out, init left out — and maximise throughput (tokens/s). A run whose measured 
 exceeds the per-device budget is outcome ``oom`` like a run that ran out of memory (:func:`over_budget`). Each
 sampled candidate goes through the ledger first; an invalid or predicted-not-to-fit candidate is never
 launched — it is recorded as PRUNED with the ledger's breakdown and reason in the trial's user attributes.
+A candidate predicted to fit but too close to the budget for what the study has measured of its ledger is
+*held* (PRUNED with ``held`` set, not final: :func:`optimizer.ordering.launchable`, the launch margin).
 A candidate already measured in the study is not launched again: its values are reused. Loss fidelity
 is a constraint (``trial.set_constraint``, ≤ 0 feasible: fidelity − tolerance of the precision), and so is
 the measured init phase (its reserved peak + device reserve over the device's capacity, relative). A trial
@@ -43,7 +45,7 @@ from optimizer.knobs import Candidate, OffloadDevice, ZeroStage, parse_knob
 from optimizer.ledger import Verdict, evaluate
 from optimizer.ledger_items import Location
 from optimizer.ledger_report import ledger_json
-from optimizer.ordering import StudyModels, calibrated_verdict_fits, predicted_speed, study_models
+from optimizer.ordering import StudyModels, calibrated_verdict_fits, launchable, predicted_speed, study_models
 from optimizer.specs import baseline_candidate
 from optimizer.storage import open_storage, storage_error
 from optimizer.study_file import StudySpec
@@ -172,7 +174,8 @@ def seed_study(study: optuna.Study, spec: StudySpec, space: Branches) -> int:
     verdicts = [evaluate(candidate=c, model=spec.model, hardware=spec.hardware, training=spec.training)
                 for c in spec.search_space.candidates(base)]
     models = study_models(spec=spec, trials=[], base=base)
-    fitting = sorted((v for v in verdicts if v.fits and in_space(v.candidate, space)),
+    fitting = sorted((v for v in verdicts if in_space(v.candidate, space) and launchable(
+        v, models=models, key=candidate_key(v.candidate), budget_bytes=spec.hardware.gpu_memory_bytes)),
                      key=lambda v: order_key(v, spec=spec, models=models))
     for verdict in fitting[:SEED_ENQUEUE]:
         study.enqueue_trial(distribution_params(verdict.candidate, space), skip_if_exists=True,
@@ -235,6 +238,7 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
         trial.set_user_attr("predicted_gpu_needed_bytes", ledger.gpu_needed_bytes)
         trial.set_user_attr("predicted_training_needed_bytes", ledger.training_needed_bytes)
         trial.set_user_attr("predicted_init_needed_bytes", ledger.init_needed_bytes)
+        trial.set_user_attr("predicted_estimated_bytes", ledger.estimated_bytes)
         host_share = (ledger.training_bytes - ledger.training_bytes_at(Location.GPU)) if ledger.device_is_host else 0
         trial.set_user_attr("predicted_host_bytes", host_share)  # CPU ranks: measured with the device's
         init_host_share = (ledger.init_bytes - ledger.init_bytes_at(Location.GPU)) if ledger.device_is_host else 0
@@ -243,15 +247,19 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
         previous = _finished(trial.study, key, exclude=trial.number)
         if previous is not None:  # measured already: its result stands, whatever the models say now
             return _reuse(trial, previous, tolerance)
-        current = models() if models is not None else None
-        fits = verdict.fits
-        if current is not None:
-            trial.set_user_attr("memory_factor", current.memory_factor(candidate))
-            fits = calibrated_verdict_fits(verdict, models=current, key=key,
-                                           budget_bytes=ledger.gpu_capacity_bytes)
+        current = models() if models is not None else study_models(spec=spec, trials=[], base=base)
+        trial.set_user_attr("memory_factor", current.memory_factor(candidate))
+        fits = calibrated_verdict_fits(verdict, models=current, key=key, budget_bytes=ledger.gpu_capacity_bytes)
+        if fits and not launchable(verdict, models=current, key=key, budget_bytes=ledger.gpu_capacity_bytes):
+            margin = current.margin_bytes(verdict)
+            trial.set_user_attr("held", True)
+            trial.set_user_attr("launch_margin_bytes", margin)
+            trial.set_user_attr("pruned_reason", f"held: predicted to fit, but not with the launch margin "
+                                f"({margin / 1e6:,.3f} MB) free; it shrinks as the study measures its own ledger")
+            raise optuna.TrialPruned(trial.user_attrs["pruned_reason"])
         if not fits:
             reasons = "; ".join(ledger.verdict_reasons()) or "device need x the study's memory factor exceeds it"
-            if current is not None and current.memory_factor(candidate) != 1.0:
+            if current.memory_factor(candidate) != 1.0:
                 reasons += f" (calibrated: x{current.memory_factor(candidate):.3f})"
             trial.set_user_attr("pruned_reason", "does not fit: " + reasons)
             trial.set_user_attr("ledger", ledger_json(ledger))
@@ -389,8 +397,9 @@ def open_study(*, spec: StudySpec, storage: str, sampler: optuna.samplers.BaseSa
 
 def next_candidate(*, spec: StudySpec, space: Branches, trials: list[optuna.trial.FrozenTrial],
                    models: StudyModels, verdicts: list[Verdict]) -> Candidate | None:
-    """The model's choice for the next launch: among candidates of the space that fit (calibrated), have no
-    result and are not queued or running, the one with the highest predicted throughput — or, while the time
+    """The model's choice for the next launch: among candidates of the space that may be launched (they fit,
+    calibrated, within the launch margin: :func:`~optimizer.ordering.launchable`), have no result and are not
+    queued or running, the one with the highest predicted throughput — or, while the time
     model has no figures, the first in :func:`promise` order. None when nothing is left."""
     taken = {t.user_attrs.get("candidate_key") for t in trials if t.state is optuna.trial.TrialState.RUNNING}
     queued = [t.params for t in trials if t.state is optuna.trial.TrialState.WAITING]
@@ -402,7 +411,7 @@ def next_candidate(*, spec: StudySpec, space: Branches, trials: list[optuna.tria
         if verdict.ledger is None or not in_space(candidate, space) or key in taken or key in done \
                 or distribution_params(candidate, space) in queued:
             continue
-        if not calibrated_verdict_fits(verdict, models=models, key=key, budget_bytes=verdict.ledger.gpu_capacity_bytes):
+        if not launchable(verdict, models=models, key=key, budget_bytes=verdict.ledger.gpu_capacity_bytes):
             continue
         options.append((order_key(verdict, spec=spec, models=models), candidate))
     if not options:

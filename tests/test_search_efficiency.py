@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -39,7 +40,54 @@ def test_autotuner_walk_tunes_only_stage_and_micro_batch(bench):
     assert stages == sorted(stages)  # stages walked in order 0 -> 3
 
 
-def test_random_order_eventually_reaches_the_best(bench):
-    grid = bench.load_grid(GRID)
-    run = bench.run_random(grid, seed=0)
-    assert run.reached_at == len(run.launched) and grid.hit(grid.entries[run.launched[-1]])
+# A grid small enough to judge by hand (per-rank budget of studies/grid-cpu.yaml: 3 MB = 3,000,000 bytes;
+# fidelity tolerances: fp32 1e-4, bf16 2e-2, optimizer.specs.TrialSettings). Device share = measured peak −
+# the ledger's host items (CPU ranks keep offloaded states in the same memory).
+HAND_GRID = [
+    # label, outcome, measured peak, host items, loss fidelity, tokens/s
+    ("z0 fp32 ckpt=none mbs=1", "ok", 2_900_000, 0, 1e-7, 1000.0),  # fits, fidelity ok: feasible, slow
+    ("z1 fp32 ckpt=none mbs=1 opt->cpu", "ok", 3_500_000, 600_000, 1e-6, 1990.0),  # device 2.9 MB: feasible
+    ("z0 fp32 ckpt=none mbs=2", "ok", 3_000_001, 0, 1e-7, 5000.0),  # 1 byte over the budget: OOM launch
+    ("z0 fp32 ckpt=none mbs=4", "oom", None, 0, None, None),  # ran out of memory: OOM launch
+    ("z0 bf16 ckpt=none mbs=1", "ok", 2_000_000, 0, 3e-2, 4000.0),  # fidelity 3e-2 > 2e-2: infeasible
+    ("z0 bf16 ckpt=none mbs=2", "ok", 2_500_000, 0, 1e-2, 2000.0),  # feasible, the fastest feasible
+    ("z2 fp32 ckpt=none mbs=1", "ok", 3_000_000, 0, None, 900.0),  # exactly the budget: no OOM; no fidelity
+    ("z3 fp32 ckpt=none mbs=1", "crash", None, 0, None, None),  # neither OOM nor feasible
+]
+# By hand: OOM launches {mbs=2, mbs=4 fp32 z0}; feasible {z0 fp32 mbs=1, z1 opt->cpu, z0 bf16 mbs=2};
+# best feasible 2000 tokens/s, target 0.98 x 2000 = 1960: hits {z1 opt->cpu (1990), z0 bf16 mbs=2 (2000)}.
+HAND_OOM = {"z0 fp32 ckpt=none mbs=2", "z0 fp32 ckpt=none mbs=4"}
+HAND_FEASIBLE = {"z0 fp32 ckpt=none mbs=1", "z1 fp32 ckpt=none mbs=1 opt->cpu", "z0 bf16 ckpt=none mbs=2"}
+HAND_HITS = {"z1 fp32 ckpt=none mbs=1 opt->cpu", "z0 bf16 ckpt=none mbs=2"}
+
+
+@pytest.fixture
+def hand_grid(bench, tmp_path):
+    entries = []
+    for label, outcome, peak, host, fidelity, speed in HAND_GRID:
+        stage, precision = label.split()[:2]
+        entries.append({"label": label, "knobs": {"zero_stage": int(stage[1]), "precision": precision},
+                        "outcome": outcome, "measured_peak_bytes": peak, "predicted_host_bytes": host,
+                        "loss_fidelity": fidelity, "tokens_per_s": speed})
+    path = tmp_path / "grid.json"
+    path.write_text(json.dumps({"study_file": "studies/grid-cpu.yaml", "candidates": entries}))
+    return bench.load_grid(path)
+
+
+def test_the_ground_truth_of_a_hand_counted_grid(hand_grid):
+    entries = hand_grid.entries
+    assert hand_grid.best_tokens_per_s == 2000.0
+    assert {label for label, e in entries.items() if hand_grid.oom(e)} == HAND_OOM
+    assert {label for label, e in entries.items() if hand_grid.feasible(e)} == HAND_FEASIBLE
+    assert {label for label, e in entries.items() if hand_grid.hit(e)} == HAND_HITS
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_stops_at_the_first_hit_of_its_seeded_order(bench, hand_grid, seed):
+    order = sorted(label for label, *_ in HAND_GRID)
+    random.Random(seed).shuffle(order)  # the order the strategy is documented to launch in
+    first_hit = next(i for i, label in enumerate(order) if label in HAND_HITS)
+    run = bench.run_random(hand_grid, seed=seed)
+    assert run.launched == order[:first_hit + 1]
+    assert run.reached_at == first_hit + 1
+    assert run.ooms(hand_grid) == sum(label in HAND_OOM for label in order[:first_hit + 1])

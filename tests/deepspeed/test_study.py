@@ -13,6 +13,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
+from trial_processes import trial_processes
 
 from launchers.study_run import counts, default_storage, run_study
 from launchers.trial import candidate_slug, run_trial
@@ -109,9 +110,9 @@ def test_the_study_stores_its_calibration_and_shows_it(finished, capsys):
     assert "fitted seconds per unit" in out
 
 
-def _no_rank_left() -> bool:
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=False).stdout
-    return "launchers.trial_rank" not in out
+def _no_rank_left(folder: Path) -> bool:
+    """No rank of this test's own study (under ``folder``) is alive; other dsopt runs on the machine are not ours."""
+    return trial_processes(folder) == []
 
 
 def test_sigint_then_resume_loses_and_repeats_nothing(tmp_path):
@@ -142,7 +143,7 @@ def test_sigint_then_resume_loses_and_repeats_nothing(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
-    assert _no_rank_left()
+    assert _no_rank_left(tmp_path)
     interrupted = optuna.load_study(study_name=spec.name, storage=storage)
     assert any(t.state is TrialState.FAIL for t in interrupted.get_trials())
     study = run_study(spec=spec, storage=storage, n_trials=3, timeout_s=None)

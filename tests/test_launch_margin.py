@@ -1,0 +1,154 @@
+"""The launch policy (optimizer/ordering.py: StudyModels.margin_bytes, launchable): a fitting candidate is
+launched only with the margin free — a little of its need, plus a share of what the ledger *estimates*
+(activations, transient buffers), plus on a GPU the published 20 % until the study has measured — the
+margin earned from the study's own measurements; a held candidate is not final.
+
+The figures are the seed's worked example (../shared/seeds/, studies/seed-1b-2x24gb.yaml): plain data
+parallel needs 26 GB per GPU, of which 8 GB are the stated activations, the rest counted model states and
+buffers."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import optuna
+import pytest
+
+from optimizer.knobs import ZeroStage
+from optimizer.ledger import evaluate
+from optimizer.ordering import (
+    ESTIMATE_PRIOR,
+    MIN_MARGIN,
+    PRIOR_MARGIN,
+    StudyModels,
+    launchable,
+    memory_group,
+    study_models,
+)
+from optimizer.search import DIRECTIONS, TrialFailed, branches, candidate_key, distribution_params, make_objective
+from optimizer.specs import Accelerator, baseline_candidate
+from optimizer.study_file import load_study
+from optimizer.throughput import profile_rates
+from optimizer.trial_result import Outcome, RankMeasurement, TrialResult
+
+GB = 10**9
+NEED, ESTIMATED = 26 * GB, 8 * GB  # the seed's plain data parallel: 26 GB per GPU, 8 GB of them activations
+
+
+@pytest.fixture
+def seed(repo_root):
+    return load_study(repo_root / "studies" / "seed-1b-2x24gb.yaml")
+
+
+def _on(spec, *, budget: int, cpu: bool = False):
+    hardware = replace(spec.hardware, gpu_memory_bytes=budget,
+                       accelerator=Accelerator.CPU if cpu else spec.hardware.accelerator)
+    return replace(spec, hardware=hardware)
+
+
+def _models(spec, **fields) -> StudyModels:
+    empty = dict(rates=profile_rates(hardware=spec.hardware), memory_factors=(), time_samples=0,
+                 measured_fits=frozenset())
+    return StudyModels(**{**empty, **fields})
+
+
+def _launchable(spec, models, candidate=None) -> bool:
+    candidate = candidate or baseline_candidate(spec.training)
+    verdict = evaluate(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training)
+    return launchable(verdict, models=models, key=candidate_key(candidate), budget_bytes=spec.hardware.gpu_memory_bytes)
+
+
+def test_the_seed_ledger_counts_8_of_its_26_gb_as_estimated(seed):
+    ledger = evaluate(candidate=baseline_candidate(seed.training), model=seed.model, hardware=seed.hardware,
+                      training=seed.training).ledger
+    assert (ledger.training_needed_bytes, ledger.estimated_bytes) == (NEED, ESTIMATED)
+
+
+def test_before_any_measurement_a_gpu_keeps_20_percent_free(seed):
+    assert (PRIOR_MARGIN, MIN_MARGIN, ESTIMATE_PRIOR) == (0.20, 0.03, 0.5)
+    # GPU: max(3 % of 26 + 0.5 x 8, 20 % of 26) = max(4.78, 5.2) = 5.2 GB free: a 31.2 GB budget, not a byte less.
+    assert _launchable(_on(seed, budget=31_200_000_000), _models(seed))
+    assert not _launchable(_on(seed, budget=31_200_000_000 - 1), _models(seed))
+    # CPU ranks (no allocator, no CUDA context): 3 % of 26 + 0.5 x 8 = 4.78 GB.
+    cpu = _on(seed, budget=30_780_000_000, cpu=True)
+    assert _launchable(cpu, _models(cpu))
+    assert not _launchable(_on(seed, budget=30_780_000_000 - 1, cpu=True), _models(cpu))
+
+
+def test_the_margin_shrinks_to_what_the_study_measured_of_its_ledger(seed):
+    # 3 samples: the estimated bytes missed by at most 10 %, the whole need by at most 2 %:
+    # 3 % of 26 + 0.1 x 8 = 1.58 GB (GPU: max(1.58, 2 % of 26 = 0.52)).
+    earned = dict(memory_samples=3, estimate_error=0.10, worst_under=0.02)
+    for cpu in (False, True):
+        assert _launchable(_on(seed, budget=27_580_000_000, cpu=cpu), _models(seed, **earned))
+        assert not _launchable(_on(seed, budget=27_580_000_000 - 1, cpu=cpu), _models(seed, **earned))
+    # Two samples are not enough to drop the prior:
+    assert not _launchable(_on(seed, budget=27_580_000_000), _models(seed, **{**earned, "memory_samples": 2}))
+    # A study that saw its ledger 30 % under on the whole need keeps 30 % free on a GPU:
+    assert not _launchable(_on(seed, budget=33_000_000_000), _models(seed, **{**earned, "worst_under": 0.30}))
+    assert _launchable(_on(seed, budget=33_800_000_000), _models(seed, **{**earned, "worst_under": 0.30}))
+
+
+def test_a_calibrated_group_keeps_the_floor_of_its_calibrated_need(seed):
+    base = baseline_candidate(seed.training)
+    # The group measured 10 % over the ledger: need 28.6 GB; spread 1 % < floor 3 %: 0.858 GB free.
+    models = _models(seed, memory_samples=1, worst_under=0.5, group_spread=0.01,
+                     memory_factors=((memory_group(base), 1.1),))
+    assert _launchable(_on(seed, budget=29_458_000_100), models)  # float rounding of 1.1 x 26e9
+    assert not _launchable(_on(seed, budget=29_457_000_000), models)
+    wide = replace(models, group_spread=0.05)  # measurements strayed 5 % from the group's factor: 1.43 GB
+    assert not _launchable(_on(seed, budget=29_458_000_000), wide)
+    assert _launchable(_on(seed, budget=30_030_000_100), wide)
+
+
+def _frozen(candidate, *, measured: int, predicted: int, estimated: int) -> optuna.trial.FrozenTrial:
+    return optuna.trial.create_trial(values=[float(measured), 1000.0], user_attrs={
+        "candidate": candidate.knobs(), "candidate_key": candidate_key(candidate), "step_time_s": 0.1,
+        "device_share_bytes": measured, "predicted_training_needed_bytes": predicted,
+        "predicted_estimated_bytes": estimated, "loss_fidelity": 0.0})
+
+
+def test_the_study_reads_its_errors_from_its_trials(repo_root):
+    tiny = load_study(repo_root / "studies" / "cpu-tiny.yaml")
+    base = baseline_candidate(tiny.training)
+    mbs4 = replace(base, micro_batch_size=4)  # same group as base
+    z1 = replace(base, zero_stage=ZeroStage.OPTIMIZER)
+    trials = [_frozen(base, measured=108_000, predicted=100_000, estimated=40_000),
+              _frozen(mbs4, measured=99_000, predicted=100_000, estimated=50_000),
+              _frozen(z1, measured=80_000, predicted=100_000, estimated=0)]
+    models = study_models(spec=tiny, trials=trials, base=base)
+    assert models.memory_samples == 3
+    assert models.worst_under == pytest.approx(0.08)  # 108,000 / 100,000 - 1
+    assert models.estimate_error == pytest.approx((108_000 - 103_000) / 40_000)  # beyond the 3 % floor: 0.125
+    assert models.memory_factor(base) == pytest.approx(1.035)  # median(1.08, 0.99)
+    assert models.group_spread == pytest.approx(1.08 / 1.035 - 1)  # 4.3 %; z1 alone in its group: 0
+
+
+def test_a_held_candidate_is_not_final_and_is_launched_once_the_margin_allows(repo_root):
+    tiny = load_study(repo_root / "studies" / "cpu-tiny.yaml")
+    base = baseline_candidate(tiny.training)
+    ledger = evaluate(candidate=base, model=tiny.model, hardware=tiny.hardware, training=tiny.training).ledger
+    need = max(ledger.training_needed_bytes, ledger.init_needed_bytes)
+    spec = replace(tiny, hardware=replace(tiny.hardware, gpu_memory_bytes=int(need * 1.04)))  # 4 % free: held
+    space = branches(spec)
+    calls = []
+
+    def runner(candidate):
+        calls.append(candidate)
+        rank = RankMeasurement(rank=0, peak_allocated_bytes=1000, peak_reserved_bytes=None, peak_rss_bytes=10**8,
+                               step_times_s=(0.1,), training_peak_allocated_bytes=1000)
+        return TrialResult(outcome=Outcome.OK, ranks=(rank,), losses=(5.0,), step_time_s=0.1, tokens_per_s=1.0,
+                           loss_fidelity=0.0)
+
+    current = [_models(spec)]
+    study = optuna.create_study(directions=list(DIRECTIONS))
+    objective = make_objective(spec=spec, space=space, runner=runner, models=lambda: current[0])
+    study.enqueue_trial(distribution_params(base, space))
+    study.optimize(objective, n_trials=1, catch=(TrialFailed,))
+    held = study.get_trials()[-1]
+    assert held.state is optuna.trial.TrialState.PRUNED and held.user_attrs["held"] and not calls
+    assert held.user_attrs["pruned_reason"].startswith("held: predicted to fit")
+    current[0] = _models(spec, memory_samples=3, estimate_error=0.0)  # the study measured its ledger exact
+    study.enqueue_trial(distribution_params(base, space))
+    study.optimize(objective, n_trials=1, catch=(TrialFailed,))
+    assert study.get_trials()[-1].state is optuna.trial.TrialState.COMPLETE and len(calls) == 1
