@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from optimizer.errors import EXIT_USER_ERROR, UserError
 from optimizer.knobs import KNOB_NAMES, Candidate, parse_knob
@@ -459,8 +459,15 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a usage mistake as one line (what is wrong, and where the help is), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsopt", description="Search-based optimizer for DeepSpeed configurations.")
+    parser = _Parser(prog="dsopt", description="Search-based optimizer for DeepSpeed configurations.")
     sub = parser.add_subparsers(dest="command", required=True)
     ledger = sub.add_parser("ledger", help="itemised per-GPU / host / NVMe memory and the fits verdict")
     ledger.add_argument("study", help="study file, e.g. studies/seed-1b-2x24gb.yaml")

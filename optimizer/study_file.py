@@ -473,6 +473,29 @@ def _text_list(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+_SLURM_TIME = re.compile(r"(\d+)(:\d{1,2}){0,2}|(\d+)-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE", re.IGNORECASE)
+"""``--time`` as sbatch(1) accepts it: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+days-hours:minutes, days-hours:minutes:seconds, or UNLIMITED/INFINITE."""
+_SLURM_MEM = re.compile(r"\d+[KMGT]?", re.IGNORECASE)
+"""``--mem`` as sbatch(1) accepts it: a whole number, megabytes unless suffixed K, M, G or T (0: all of it)."""
+
+
+def _slurm_time(value: Any) -> str:
+    text = _count_text(value)
+    if not _SLURM_TIME.fullmatch(text):
+        raise ValueError(f"{text!r} is not a SLURM time (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or "
+                         "UNLIMITED; see sbatch --time)")
+    return text
+
+
+def _slurm_mem(value: Any) -> str:
+    text = _count_text(value)
+    if not _SLURM_MEM.fullmatch(text):
+        raise ValueError(f"{text!r} is not a SLURM memory size (a whole number with an optional K, M, G or T "
+                         "suffix, megabytes by default; 0 = all of the node's; see sbatch --mem)")
+    return text
+
+
 def _count_text(value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise ValueError(f"expected text or a whole number, got {value!r}")
@@ -501,9 +524,9 @@ def _parse_slurm(section: _Section) -> SlurmSettings:
     return _built(section, lambda: SlurmSettings(
         partition=section.get("partition", _text, None),
         account=section.get("account", _text, None),
-        time=section.get("time", _count_text, None),
+        time=section.get("time", _slurm_time, None),
         cpus_per_task=section.get("cpus_per_task", _positive_int, None),
-        mem=section.get("mem", _count_text, None),
+        mem=section.get("mem", _slurm_mem, None),
         sbatch=section.get("sbatch", _text_list, ()),
         setup=section.get("setup", _text_list, ()),
         python=section.get("python", _text, None),
@@ -536,6 +559,16 @@ def _refuse_duplicate_keys(node: yaml.Node | None) -> None:
                 seen.add(key)
         elif isinstance(current, yaml.SequenceNode):
             stack.extend(current.value)
+        elif isinstance(current, yaml.ScalarNode) and current.tag in (INT_TAG, FLOAT_TAG) and ":" in current.value:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{current.value!r} is read by YAML 1.1 as a base-60 number "
+                f"({yaml.safe_load(current.value)!r}), not as text; quote it (e.g. \"{current.value}\")",
+                current.start_mark)
+
+
+INT_TAG, FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+"""Resolved tags of plain scalars PyYAML reads as numbers; one with a ':' is a YAML 1.1 base-60 number
+(``12:00:00`` → 43200), which YAML 1.2 dropped: a SLURM time written unquoted would silently become 30 days."""
 
 
 def _read_yaml(path: Path, *, what: str) -> object:

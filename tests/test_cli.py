@@ -164,3 +164,12 @@ def test_an_empty_or_foreign_sqlite_file_is_left_as_it_was(tmp_path, repo_root, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds no Optuna study tables" in err
     assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+
+
+@pytest.mark.parametrize("argv", [["ledger"], ["ledger", "studies/cpu-tiny.yaml", "--bogus"], ["frobnicate"],
+                                  ["export", "studies/cpu-tiny.yaml", "--pick"]])
+def test_a_usage_mistake_is_one_line_and_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and err.startswith("dsopt") and "--help" in err

@@ -84,7 +84,7 @@ def test_deadline_is_read_from_yaml_timestamps(tmp_path):
     ({"slurm": {"partiton": "gpu"}}, "slurm.partiton", "unknown key"),
     ({"slurm": {"partition": "gpu\necho INJECTED"}}, "slurm.partition", "one word"),  # a line of its own in the script
     ({"slurm": {"account": "a b"}}, "slurm.account", "one word"),
-    ({"slurm": {"time": ""}}, "slurm.time", "one word"),
+    ({"slurm": {"time": ""}}, "slurm.time", "not a SLURM time"),
     ({"slurm": {"python": "python3\nrm -rf ~"}}, "slurm.python", "one line"),
 ])
 def test_bad_cluster_sections_name_the_key(tmp_path, sections, key, needle):

@@ -96,6 +96,10 @@ def test_repository_studies_load(repo_root):
         ("  gpu_memory: 8 GiB\n", "  gpu_memory: 80000 TB\n", "hardware.gpu_memory", "beyond any real device memory"),
         ("  host_memory: 24 GiB\n", "  host_memory: 2000000 TiB\n", "hardware.host_memory", "beyond any real host"),
         ("  gpus_per_node: 2\n", "  gpus_per_node: 2000000\n", "hardware.gpus_per_node", "beyond any real"),
+        # SLURM's own formats (sbatch --time, --mem), checked before anything is submitted:
+        ("name: tiny\n", "name: tiny\nslurm:\n  time: soon\n", "slurm.time", "not a SLURM time"),
+        ("name: tiny\n", "name: tiny\nslurm:\n  time: '12:00:0000'\n", "slurm.time", "not a SLURM time"),
+        ("name: tiny\n", "name: tiny\nslurm:\n  mem: 64 GB\n", "slurm.mem", "not a SLURM memory size"),
     ],
 )
 def test_bad_study_names_file_key_and_why(tmp_path, old, new, key, why):
@@ -199,3 +203,18 @@ def test_a_yaml_merge_key_may_be_overridden_by_the_mappings_own_key(tmp_path):
     path = _write(tmp_path, GOOD.replace("hardware:\n  accelerator: cpu\n", merged))
     hardware = load_study(path).hardware
     assert hardware.accelerator.value == "cpu" and hardware.gpus_per_node == 2  # own keys win, as YAML says
+
+
+@pytest.mark.parametrize(("time", "mem"), [("'12:00:00'", "0"), ("720", "64G"), ("'2-12'", "512000"),
+                                           ("'1-00:30:00'", "4096M"), ("UNLIMITED", "1T")])
+def test_slurm_times_and_memory_in_sbatch_formats_are_accepted(tmp_path, time, mem):
+    study = load_study(_write(tmp_path, GOOD + f"slurm:\n  time: {time}\n  mem: {mem}\n"))
+    assert (study.slurm.time, study.slurm.mem) == (time.strip("'"), mem)
+
+
+def test_an_unquoted_time_is_not_silently_a_base_60_number(tmp_path):
+    """YAML 1.1 reads 12:00:00 as 43200, which sbatch would take as 43,200 minutes (30 days)."""
+    with pytest.raises(UserError) as info:
+        load_study(_write(tmp_path, GOOD + "slurm:\n  time: 12:00:00\n"))
+    assert "line 23" in info.value.why and "base-60" in info.value.why and '"12:00:00"' in info.value.why
+
