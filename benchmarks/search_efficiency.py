@@ -48,13 +48,14 @@ import random
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import optuna
 
 from launchers.study_run import run_study
+from launchers.trace import with_traced_activations
 from optimizer.knobs import Candidate, Precision, ZeroStage, parse_knob
 from optimizer.ledger import evaluate
 from optimizer.ordering import candidate_of, study_models
@@ -64,6 +65,7 @@ from optimizer.study_file import StudySpec, load_study
 from optimizer.throughput import StepTime, predict, work
 from optimizer.transformer import activation_estimate, parameter_count
 from optimizer.trial_result import Outcome, RankMeasurement, TrialResult
+from optimizer.units import parse_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.98
@@ -96,9 +98,13 @@ class Grid:
         return self.feasible(entry) and entry["tokens_per_s"] >= TARGET * self.best_tokens_per_s
 
 
-def load_grid(path: Path) -> Grid:
+def load_grid(path: Path, *, budget_bytes: int | None = None) -> Grid:
+    """The grid and its ground truth, at the study's per-rank budget or at ``budget_bytes`` (the measurements
+    do not depend on the budget: only what counts as an OOM and which candidates fit)."""
     data = json.loads(path.read_text())
-    spec = load_study(ROOT / data["study_file"])
+    spec = with_traced_activations(load_study(ROOT / data["study_file"]))  # as the study itself traces it
+    if budget_bytes is not None:
+        spec = replace(spec, hardware=replace(spec.hardware, gpu_memory_bytes=budget_bytes))
     entries = {e["label"]: e for e in data["candidates"]}
     grid = Grid(spec=spec, entries=entries, best_tokens_per_s=0.0)
     best = max(e["tokens_per_s"] for e in entries.values() if grid.feasible(e))
@@ -326,8 +332,6 @@ def run_autotuner(grid: Grid) -> Run:
 
 
 def parse_candidate(base: Candidate, stage: int, mbs: int) -> Candidate:
-    from dataclasses import replace
-
     return replace(base, zero_stage=ZeroStage(stage), micro_batch_size=mbs)
 
 
@@ -357,21 +361,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", nargs="+", default=[str(p) for p in GRIDS], help="recorded grid(s)")
     parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--budget", nargs="+", default=None, metavar="SIZE",
+                        help="replay at these per-rank budgets instead of the study's (e.g. '9 MB' '12 MB')")
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
+    budgets = [parse_bytes(text) for text in args.budget] if args.budget else [None]
     for path in args.grid:
-        report(Path(path), seeds=args.seeds)
+        for budget in budgets:
+            report(Path(path), seeds=args.seeds, budget_bytes=budget)
     return 0
 
 
-def report(path: Path, *, seeds: int) -> None:
+def report(path: Path, *, seeds: int, budget_bytes: int | None) -> None:
     """The grid's summary and the strategies' table."""
-    grid = load_grid(path)
+    grid = load_grid(path, budget_bytes=budget_bytes)
     spec = grid.spec
     entries = list(grid.entries.values())
     feasible = [e for e in entries if grid.feasible(e)]
     best = max(feasible, key=lambda e: e["tokens_per_s"])
-    static_false = sum(1 for e in entries if not e["ledger_fits"] and _fits(grid, e))
+    static_false = sum(1 for e in entries if _fits(grid, e) and not evaluate(
+        candidate=candidate_of(e["knobs"], baseline_candidate(spec.training)), model=spec.model,
+        hardware=spec.hardware, training=spec.training).fits)
     measured_fit = sum(1 for e in entries if _fits(grid, e))
     machine = json.loads(path.read_text())["machine"]["cpu"]
     print(f"\ngrid {path.name}: {len(entries)} candidates on {machine}; "
@@ -379,8 +389,8 @@ def report(path: Path, *, seeds: int) -> None:
           f"{spec.hardware.gpu_memory_bytes / 1e6:g} MB per rank); best {best['tokens_per_s']:,.0f} tokens/s "
           f"({best['label']}); target ≥ {TARGET:.0%} = {TARGET * best['tokens_per_s']:,.0f} tokens/s; "
           f"{sum(grid.hit(e) for e in entries)} candidate(s) reach it")
-    print(f"ledger when recorded: {static_false} false prune(s) of {measured_fit} candidates measured to fit "
-          f"({static_false / max(1, measured_fit):.1%})\n")
+    print(f"uncalibrated traced ledger: {static_false} false prune(s) of {measured_fit} candidates measured to "
+          f"fit ({static_false / max(1, measured_fit):.1%})\n")
     print("| strategy | runs | launches to ≥98% best, median | worst | OOM launches | false prunes | "
           "held, never launched, measured to fit | time-model Spearman ρ |")
     print("|---|---|---|---|---|---|---|---|")

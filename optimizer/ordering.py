@@ -5,6 +5,8 @@ measured trials, stores them in the study (``dsopt_calibration``) and uses them 
 
 * **pruning** — the ledger's device need × the memory factor of the candidate's group (:func:`memory_group`)
   against the budget (a candidate measured to fit is never pruned);
+* **the launch margin** — a fitting candidate is launched only with :meth:`StudyModels.margin_bytes` of the
+  budget left free, the margin set by priors until the study has measured its own ledger (:func:`launchable`);
 * **ordering** — the next launch is the feasible, not yet measured, not in flight candidate with the highest
   predicted throughput (calibrated time model once :data:`MIN_TIME_SAMPLES` trials are measured; before
   that the hardware profile's model, or the provisional :func:`~optimizer.search.promise` order when the
@@ -37,15 +39,21 @@ MIN_MARGIN = 0.03
 """Always kept free, as a fraction of the candidate's need: CPU-rank jitter between identical ZeRO-3 runs
 (qwen2-tiny: 4.729, 4.860, 4.877 MB, 3 %); on the recorded grids a group's ratios spread by ≤ 3.7 % across
 micro-batch sizes."""
-ESTIMATE_PRIOR = 0.5
+ESTIMATE_PRIOR = 1.0
 """How far the *estimated* bytes (activations, transient buffers: :attr:`Ledger.estimated_bytes`) may exceed
-the ledger before the study has measured its own: the recorded grids' worst, (measured − predicted −
-:data:`MIN_MARGIN`·need) / estimated, is 0.43 (grid-cpu, z2 bf16 ckpt=full mbs=1 opt->cpu; README "The launch
-policy"). Counted bytes (model states) get no such margin: they are exact."""
+the ledger before the study has measured its own: on the recorded grids the worst device-share miss beyond
+:data:`MIN_MARGIN`·need, relative to the estimated bytes, is 0.85 (grid-llama-cpu, z2 fp32 ckpt=full mbs=1
+opt->cpu: +28 % of the need, the estimated bytes 30 % of it) and 0.38 on grid-cpu (z2 bf16 ckpt=full mbs=1
+opt->cpu); README "The launch policy". Counted bytes (model states) get no such share."""
 PRIOR_MARGIN = 0.20
 """On a GPU, until the study has measured it, at least this fraction of the need is kept free: the allocator's
 fragmentation and the CUDA context are not measured on CPU ranks. Published anchor: no OOM in 454 runs whose
 estimate was under 80 % of device memory (Fujii et al. 2024, arXiv:2411.06465)."""
+PRIOR_MARGIN_CPU = 0.10
+"""On CPU ranks, until the study has measured it, at least this fraction of the need is kept free: the
+largest whole-need under-prediction seen on CPU ranks is 8.4 % (the demo's z0 bf16 ckpt=none mbs=1, 3.137 MB
+measured against 2.894 MB predicted, in runs beside other load: one bf16 copy of the parameters still live when
+gloo's thread frees it late; the same candidate measured 2.896 MB alone), 6.9 % on the recorded grids."""
 EARN_SAMPLES = 3
 """Memory samples after which the priors give way to what the study measured of its own ledger."""
 
@@ -67,6 +75,8 @@ class StudyModels:
     worst_under: float = 0.0
     """The ledger's largest under-prediction seen in this study, uncorrected: max(measured / predicted) − 1
     over its memory samples (0 when it never under-predicted)."""
+    family_under: tuple[tuple[str, float], ...] = ()
+    """``worst_under`` per :func:`memory_family` with samples (the same stage and offload: the same items)."""
     estimate_error: float = 0.0
     """The largest relative miss of the estimated bytes seen in this study: max of (measured − predicted −
     :data:`MIN_MARGIN`·predicted) / estimated over the samples with estimated bytes (0 if none missed)."""
@@ -77,10 +87,12 @@ class StudyModels:
     def margin_bytes(self, verdict: Verdict) -> int:
         """Bytes of the budget kept free when the candidate is launched (:func:`launchable`).
 
-        A group with measurements: ``max(MIN_MARGIN, group_spread)`` of its calibrated need. Otherwise
-        ``MIN_MARGIN``·need + u·estimated, u = :data:`ESTIMATE_PRIOR` until the study has
-        :data:`EARN_SAMPLES` memory samples, then the study's own ``estimate_error``; on a GPU at least
-        :data:`PRIOR_MARGIN`·need until then, the study's ``worst_under``·need after."""
+        A group with measurements: ``max(MIN_MARGIN, group_spread)`` of its calibrated need. Otherwise the
+        larger of a share and a whole-need term. Share: ``MIN_MARGIN``·need + u·estimated, u =
+        :data:`ESTIMATE_PRIOR` until the study has :data:`EARN_SAMPLES` memory samples, then the study's own
+        ``estimate_error``. Whole need: :data:`PRIOR_MARGIN` (GPU) or :data:`PRIOR_MARGIN_CPU` until then, then
+        the worst under-prediction the study saw in the candidate's family (same stage and offload), or in the
+        whole study when the family has no samples."""
         ledger = verdict.ledger
         assert ledger is not None
         need = ledger.training_needed_bytes
@@ -88,9 +100,11 @@ class StudyModels:
             return math.ceil(max(MIN_MARGIN, self.group_spread) * self.memory_factor(verdict.candidate) * need)
         earned = self.memory_samples >= EARN_SAMPLES
         u = self.estimate_error if earned else ESTIMATE_PRIOR
-        margin = MIN_MARGIN * need + u * ledger.estimated_bytes
-        if not ledger.device_is_host:
-            margin = max(margin, (self.worst_under if earned else PRIOR_MARGIN) * need)
+        if earned:
+            whole = dict(self.family_under).get(memory_family(verdict.candidate), self.worst_under)
+        else:
+            whole = PRIOR_MARGIN_CPU if ledger.device_is_host else PRIOR_MARGIN
+        margin = max(MIN_MARGIN * need + u * ledger.estimated_bytes, whole * need)
         return math.ceil(margin)
 
     def memory_factor(self, candidate: Candidate) -> float:
@@ -111,6 +125,13 @@ def memory_group(candidate: Candidate) -> str:
     group's error into another."""
     k = candidate.knobs()
     return f"z{k['zero_stage']}-{k['precision']}-{k['checkpointing']}-opt{k['offload_optimizer']}-p{k['offload_param']}"
+
+
+def memory_family(candidate: Candidate) -> str:
+    """Candidates whose ledger holds the same items (same ZeRO stage and offload; precision, checkpointing and
+    micro-batch change only their sizes): a whole-need error seen in one is the likeliest in the others."""
+    k = candidate.knobs()
+    return f"z{k['zero_stage']}-opt{k['offload_optimizer']}-p{k['offload_param']}"
 
 
 def candidate_of(knobs: dict[str, object], base: Candidate) -> Candidate:
@@ -163,6 +184,7 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
     measured = measured_trials(trials)
     time_samples, fits = [], set()
     memory_samples: dict[str, list[MemorySample]] = {}
+    group_family: dict[str, str] = {}
     for t in measured:
         candidate = candidate_of(t.user_attrs["candidate"], base)
         job = work(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training)
@@ -172,6 +194,7 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
         needed = device_bytes_predicted(t)
         if needed and device > 0:
             fit = device <= budget
+            group_family[memory_group(candidate)] = memory_family(candidate)
             memory_samples.setdefault(memory_group(candidate), []).append(MemorySample(
                 predicted_bytes=needed, measured_bytes=device, fits_budget_bytes=budget if fit else None,
                 estimated_bytes=estimated_bytes(t)))
@@ -182,6 +205,7 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
         job = work(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training)
         time_samples.append(TimeSample(work=job, step_time_s=float(t.user_attrs["step_time_s"])))
         if device_bytes_predicted(t):
+            group_family[memory_group(candidate)] = memory_family(candidate)
             memory_samples.setdefault(memory_group(candidate), []).append(MemorySample(
                 predicted_bytes=device_bytes_predicted(t), measured_bytes=max(device_bytes_measured(t), budget + 1),
                 fits_budget_bytes=None, estimated_bytes=estimated_bytes(t)))
@@ -190,6 +214,7 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
                 and "reused_from" not in t.user_attrs and t.user_attrs.get("predicted_gpu_needed_bytes") \
                 and "device_share_bytes" not in t.user_attrs:
             candidate = candidate_of(t.user_attrs["candidate"], base)
+            group_family[memory_group(candidate)] = memory_family(candidate)
             memory_samples.setdefault(memory_group(candidate), []).append(MemorySample(
                 predicted_bytes=int(t.user_attrs["predicted_gpu_needed_bytes"]), measured_bytes=budget + 1,
                 fits_budget_bytes=None, estimated_bytes=estimated_bytes(t)))
@@ -200,10 +225,16 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
     k = dict(factors)
     misses = [(s.measured_bytes - (1 + MIN_MARGIN) * s.predicted_bytes) / s.estimated_bytes
               for _, s in every if s.estimated_bytes > 0]
+    family: dict[str, float] = {}
+    for group, samples in memory_samples.items():
+        name = group_family[group]
+        for sample in samples:
+            if sample.predicted_bytes > 0:
+                family[name] = max(family.get(name, 0.0), sample.measured_bytes / sample.predicted_bytes - 1)
     return StudyModels(rates=rates, memory_factors=factors, time_samples=len(time_samples),
                        measured_fits=frozenset(fits), memory_samples=len(every),
                        worst_under=max([0.0, *(s.measured_bytes / s.predicted_bytes - 1 for _, s in every)]),
-                       estimate_error=max([0.0, *misses]),
+                       estimate_error=max([0.0, *misses]), family_under=tuple(sorted(family.items())),
                        group_spread=max([0.0, *(abs(s.measured_bytes / (k[g] * s.predicted_bytes) - 1)
                                                 for g, s in every)]))
 
