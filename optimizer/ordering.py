@@ -55,7 +55,7 @@ largest whole-need under-prediction seen on CPU ranks is 8.4 % (the demo's z0 bf
 measured against 2.894 MB predicted, in runs beside other load: one bf16 copy of the parameters still live when
 gloo's thread frees it late; the same candidate measured 2.896 MB alone), 6.9 % on the recorded grids."""
 EARN_SAMPLES = 3
-"""Memory samples after which the priors give way to what the study measured of its own ledger."""
+"""Memory samples after which the estimated-bytes prior gives way to what the study measured of its ledger."""
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StudyModels:
@@ -72,11 +72,9 @@ class StudyModels:
     """Candidate keys measured to fit (never pruned)."""
     memory_samples: int = 0
     """Trials whose device memory was measured (or bounded by an OOM) in this study."""
-    worst_under: float = 0.0
-    """The ledger's largest under-prediction seen in this study, uncorrected: max(measured / predicted) − 1
-    over its memory samples (0 when it never under-predicted)."""
     family_under: tuple[tuple[str, float], ...] = ()
-    """``worst_under`` per :func:`memory_family` with samples (the same stage and offload: the same items)."""
+    """Per :func:`memory_family` with samples (the same stage and offload: the same ledger items), the ledger's
+    largest whole-need under-prediction seen in this study: max(measured / predicted) − 1, at least 0."""
     estimate_error: float = 0.0
     """The largest relative miss of the estimated bytes seen in this study: max of (measured − predicted −
     :data:`MIN_MARGIN`·predicted) / estimated over the samples with estimated bytes (0 if none missed)."""
@@ -90,20 +88,17 @@ class StudyModels:
         A group with measurements: ``max(MIN_MARGIN, group_spread)`` of its calibrated need. Otherwise the
         larger of a share and a whole-need term. Share: ``MIN_MARGIN``·need + u·estimated, u =
         :data:`ESTIMATE_PRIOR` until the study has :data:`EARN_SAMPLES` memory samples, then the study's own
-        ``estimate_error``. Whole need: :data:`PRIOR_MARGIN` (GPU) or :data:`PRIOR_MARGIN_CPU` until then, then
-        the worst under-prediction the study saw in the candidate's family (same stage and offload), or in the
-        whole study when the family has no samples."""
+        ``estimate_error``. Whole need: the worst under-prediction the study saw in the candidate's family (same
+        stage and offload); :data:`PRIOR_MARGIN` (GPU) or :data:`PRIOR_MARGIN_CPU` while the family has no
+        sample — another family's error says little about this one's items."""
         ledger = verdict.ledger
         assert ledger is not None
         need = ledger.training_needed_bytes
         if memory_group(verdict.candidate) in dict(self.memory_factors):
             return math.ceil(max(MIN_MARGIN, self.group_spread) * self.memory_factor(verdict.candidate) * need)
-        earned = self.memory_samples >= EARN_SAMPLES
-        u = self.estimate_error if earned else ESTIMATE_PRIOR
-        if earned:
-            whole = dict(self.family_under).get(memory_family(verdict.candidate), self.worst_under)
-        else:
-            whole = PRIOR_MARGIN_CPU if ledger.device_is_host else PRIOR_MARGIN
+        u = self.estimate_error if self.memory_samples >= EARN_SAMPLES else ESTIMATE_PRIOR
+        prior = PRIOR_MARGIN_CPU if ledger.device_is_host else PRIOR_MARGIN
+        whole = dict(self.family_under).get(memory_family(verdict.candidate), prior)
         margin = max(MIN_MARGIN * need + u * ledger.estimated_bytes, whole * need)
         return math.ceil(margin)
 
@@ -233,7 +228,6 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
                 family[name] = max(family.get(name, 0.0), sample.measured_bytes / sample.predicted_bytes - 1)
     return StudyModels(rates=rates, memory_factors=factors, time_samples=len(time_samples),
                        measured_fits=frozenset(fits), memory_samples=len(every),
-                       worst_under=max([0.0, *(s.measured_bytes / s.predicted_bytes - 1 for _, s in every)]),
                        estimate_error=max([0.0, *misses]), family_under=tuple(sorted(family.items())),
                        group_spread=max([0.0, *(abs(s.measured_bytes / (k[g] * s.predicted_bytes) - 1)
                                                 for g, s in every)]))

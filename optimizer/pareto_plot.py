@@ -17,7 +17,7 @@ MB = 1e6
 def _groups(study: optuna.Study) -> dict[str, list[tuple[float, float, str]]]:
     front_numbers = {t.number for t in feasible_front(study)}
     groups: dict[str, list[tuple[float, float, str]]] = {"front": [], "feasible": [], "infeasible": [], "pruned": [],
-                                                         "failed": []}
+                                                         "held": [], "failed": []}
     for t in study.get_trials(deepcopy=False):
         label = f"#{t.number} " + " ".join(f"{k}={v}" for k, v in t.user_attrs.get("candidate", {}).items())
         if t.state is TrialState.COMPLETE and t.values:
@@ -25,11 +25,13 @@ def _groups(study: optuna.Study) -> dict[str, list[tuple[float, float, str]]]:
             kind = "front" if t.number in front_numbers else ("feasible" if feasible else "infeasible")
             groups[kind].append((t.values[0] / MB, t.values[1], label))
         elif t.state is TrialState.PRUNED and "predicted_bytes" in t.user_attrs:
-            groups["pruned"].append((t.user_attrs["predicted_bytes"] / MB, 0.0,
-                                     label + " — " + t.user_attrs.get("pruned_reason", "")))
+            groups["held" if t.user_attrs.get("held") else "pruned"].append(
+                (t.user_attrs["predicted_bytes"] / MB, 0.0, label + " — " + t.user_attrs.get("pruned_reason", "")))
         elif t.state is TrialState.FAIL and "predicted_bytes" in t.user_attrs:
-            groups["failed"].append((t.user_attrs["predicted_bytes"] / MB, 0.0,
-                                     label + f" — {t.user_attrs.get('outcome', 'failed')}"))
+            measured = t.user_attrs.get("device_share_bytes")  # a run measured over the budget: where it was
+            groups["failed"].append(((measured or t.user_attrs["predicted_bytes"]) / MB, 0.0,
+                                     label + f" — {t.user_attrs.get('outcome', 'failed')}"
+                                     + (" (measured)" if measured else " (at its predicted peak)")))
     return groups
 
 
@@ -38,7 +40,9 @@ STYLE = {
     "feasible": dict(color="tab:blue", marker="o", label="measured, feasible"),
     "infeasible": dict(color="tab:gray", marker="s", label="measured, loss fidelity out of tolerance"),
     "pruned": dict(color="tab:olive", marker="x", label="pruned by the ledger (at predicted peak; not launched)"),
-    "failed": dict(color="black", marker="v", label="failed (at predicted peak)"),
+    "held": dict(color="tab:purple", marker="+", label="held by the launch margin (at predicted peak; not launched)"),
+    "failed": dict(color="black", marker="v", label="failed: measured over the budget where measured, else at "
+                   "predicted peak"),
 }
 
 
@@ -88,12 +92,12 @@ def write_html(study: optuna.Study, path: Path, *, budget_bytes: int) -> Path:
     names = ["training memory per device (bytes)", "tokens/s"]
     fig = plot_pareto_front(study, target_names=names) if complete else go.Figure()
     groups = _groups(study)
-    for kind in ("pruned", "failed"):
+    for kind, symbol in (("pruned", "x"), ("held", "cross"), ("failed", "triangle-down")):
         points = groups[kind]
         if points:
             fig.add_trace(go.Scatter(x=[p[0] * MB for p in points], y=[p[1] for p in points], mode="markers",
                                      name=STYLE[kind]["label"], text=[p[2] for p in points],
-                                     marker=dict(symbol="x" if kind == "pruned" else "triangle-down", size=9)))
+                                     marker=dict(symbol=symbol, size=9)))
     fig.add_vline(x=budget_bytes, line_dash="dash", line_color="black", annotation_text=budget_label(budget_bytes))
     fig.update_layout(title=f"dsopt study {study.study_name}", xaxis_title="training memory per device (bytes)",
                       yaxis_title="tokens/s")

@@ -23,10 +23,13 @@ def bench():
     return module
 
 
-def test_the_grid_is_complete_and_describes_its_machine():
-    data = json.loads(GRID.read_text())
+@pytest.mark.parametrize("name", ["grid-cpu", "grid-llama-cpu"])
+def test_the_grid_is_complete_and_describes_its_machine(name):
+    data = json.loads((ROOT / "benchmarks" / "data" / f"{name}.json").read_text())
     assert len(data["candidates"]) == 84 and {"cpu", "cores", "versions"} <= set(data["machine"])
     assert data["command"].startswith("python benchmarks/record_grid.py")
+    assert data["study_file"] == f"studies/{name}.yaml"
+    assert len({e["label"] for e in data["candidates"]}) == 84  # every valid candidate once
     assert all(e["outcome"] in ("ok", "oom", "crash", "nan", "timeout", "unsupported") for e in data["candidates"])
 
 
