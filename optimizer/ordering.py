@@ -78,14 +78,14 @@ class StudyModels:
     estimate_error: float = 0.0
     """The largest relative miss of the estimated bytes seen in this study: max of (measured − predicted −
     :data:`MIN_MARGIN`·predicted) / estimated over the samples with estimated bytes (0 if none missed)."""
-    group_spread: float = 0.0
-    """How far a measurement strayed from its own group's factor: max |measured / (k·predicted) − 1| over the
-    samples of groups with a factor (0 with one sample per group)."""
+    group_spreads: tuple[tuple[str, float], ...] = ()
+    """Per :func:`memory_group` with samples, how far its measurements strayed from its factor:
+    max |measured / (k·predicted) − 1| (0 with one sample)."""
 
     def margin_bytes(self, verdict: Verdict) -> int:
         """Bytes of the budget kept free when the candidate is launched (:func:`launchable`).
 
-        A group with measurements: ``max(MIN_MARGIN, group_spread)`` of its calibrated need. Otherwise the
+        A group with measurements: max(``MIN_MARGIN``, its own spread) of its calibrated need. Otherwise the
         larger of a share and a whole-need term. Share: ``MIN_MARGIN``·need + u·estimated, u =
         :data:`ESTIMATE_PRIOR` until the study has :data:`EARN_SAMPLES` memory samples, then the study's own
         ``estimate_error``. Whole need: the worst under-prediction the study saw in the candidate's family (same
@@ -95,7 +95,8 @@ class StudyModels:
         assert ledger is not None
         need = ledger.training_needed_bytes
         if memory_group(verdict.candidate) in dict(self.memory_factors):
-            return math.ceil(max(MIN_MARGIN, self.group_spread) * self.memory_factor(verdict.candidate) * need)
+            spread = dict(self.group_spreads).get(memory_group(verdict.candidate), 0.0)
+            return math.ceil(max(MIN_MARGIN, spread) * self.memory_factor(verdict.candidate) * need)
         u = self.estimate_error if self.memory_samples >= EARN_SAMPLES else ESTIMATE_PRIOR
         prior = PRIOR_MARGIN_CPU if ledger.device_is_host else PRIOR_MARGIN
         whole = dict(self.family_under).get(memory_family(verdict.candidate), prior)
@@ -220,6 +221,10 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
     k = dict(factors)
     misses = [(s.measured_bytes - (1 + MIN_MARGIN) * s.predicted_bytes) / s.estimated_bytes
               for _, s in every if s.estimated_bytes > 0]
+    spreads: dict[str, float] = {}
+    for group, sample in every:
+        stray = abs(sample.measured_bytes / (k[group] * sample.predicted_bytes) - 1)
+        spreads[group] = max(spreads.get(group, 0.0), stray)
     family: dict[str, float] = {}
     for group, samples in memory_samples.items():
         name = group_family[group]
@@ -229,8 +234,7 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
     return StudyModels(rates=rates, memory_factors=factors, time_samples=len(time_samples),
                        measured_fits=frozenset(fits), memory_samples=len(every),
                        estimate_error=max([0.0, *misses]), family_under=tuple(sorted(family.items())),
-                       group_spread=max([0.0, *(abs(s.measured_bytes / (k[g] * s.predicted_bytes) - 1)
-                                                for g, s in every)]))
+                       group_spreads=tuple(sorted(spreads.items())))
 
 
 def calibrated_verdict_fits(verdict: Verdict, *, models: StudyModels, key: str, budget_bytes: int) -> bool:

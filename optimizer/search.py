@@ -45,7 +45,15 @@ from optimizer.knobs import Candidate, OffloadDevice, ZeroStage, parse_knob
 from optimizer.ledger import Verdict, evaluate
 from optimizer.ledger_items import Location
 from optimizer.ledger_report import ledger_json
-from optimizer.ordering import StudyModels, calibrated_verdict_fits, launchable, predicted_speed, study_models
+from optimizer.ordering import (
+    StudyModels,
+    calibrated_verdict_fits,
+    launchable,
+    memory_family,
+    memory_group,
+    predicted_speed,
+    study_models,
+)
 from optimizer.specs import baseline_candidate
 from optimizer.storage import open_storage, storage_error
 from optimizer.study_file import StudySpec
@@ -399,32 +407,47 @@ def next_candidate(*, spec: StudySpec, space: Branches, trials: list[optuna.tria
                    models: StudyModels, verdicts: list[Verdict]) -> Candidate | None:
     """The model's choice for the next launch: among candidates of the space that may be launched (they fit,
     calibrated, within the launch margin: :func:`~optimizer.ordering.launchable`), have no result and are not
-    queued or running, the one with the highest predicted throughput — or, while the time
-    model has no figures, the first in :func:`promise` order. None when nothing is left."""
+    queued or running, the one with the highest predicted throughput — or, while the time model has no
+    figures, the first in :func:`promise` order. When the most promising fitting candidate is *held* by the
+    margin, a launchable candidate of its memory group — else of its family (same stage and offload) — goes
+    first instead: its measurement is what earns the held one its margin. None when nothing is left."""
     taken = {t.user_attrs.get("candidate_key") for t in trials if t.state is optuna.trial.TrialState.RUNNING}
     queued = [t.params for t in trials if t.state is optuna.trial.TrialState.WAITING]
     done = final_keys(trials)
-    options = []
+    options, held = [], []
     for verdict in verdicts:
         candidate = verdict.candidate
         key = candidate_key(candidate)
         if verdict.ledger is None or not in_space(candidate, space) or key in taken or key in done \
                 or distribution_params(candidate, space) in queued:
             continue
-        if not launchable(verdict, models=models, key=key, budget_bytes=verdict.ledger.gpu_capacity_bytes):
-            continue
-        options.append((order_key(verdict, spec=spec, models=models), candidate))
+        budget = verdict.ledger.gpu_capacity_bytes
+        if launchable(verdict, models=models, key=key, budget_bytes=budget):
+            options.append((order_key(verdict, spec=spec, models=models), candidate))
+        elif calibrated_verdict_fits(verdict, models=models, key=key, budget_bytes=budget):
+            held.append((order_key(verdict, spec=spec, models=models), candidate))
     if not options:
         return None
-    return min(options, key=lambda o: o[0])[1]
+    best = min(options, key=lambda o: o[0])
+    if held and min(held, key=lambda o: o[0])[0] < best[0]:  # the most promising is held: probe its kin
+        top = min(held, key=lambda o: o[0])[1]
+        for kin in (memory_group, memory_family):
+            probes = [o for o in options if kin(o[1]) == kin(top)]
+            if probes:
+                return min(probes, key=lambda o: o[0])[1]
+    return best[1]
 
 
 def order_key(verdict: Verdict, *, spec: StudySpec, models: StudyModels) -> tuple:
-    """Most promising first: predicted throughput where the time model knows it, else :func:`promise`."""
+    """Most promising first: predicted throughput where the time model knows it, :func:`promise` order where
+    it does not. Once the model is calibrated, a candidate it cannot predict (it needs a figure no measured
+    trial exercised: e.g. ZeRO-0's all-reduce when only ZeRO-1/2 ran) comes *before* the predicted ones —
+    one launch teaches the model that figure, where ranking the unknown last would leave a whole branch (the
+    best, perhaps) to the sampler's chance."""
     speed = predicted_speed(verdict.candidate, spec=spec, models=models)
     if isinstance(speed, str):
-        return (1, promise(verdict), verdict.candidate.label())
-    return (0, (-speed.tokens_per_s,), verdict.candidate.label())
+        return (0 if models.time_samples else 1, promise(verdict), verdict.candidate.label())
+    return (1 if models.time_samples else 0, (-speed.tokens_per_s,), verdict.candidate.label())
 
 
 def final_keys(trials: list[optuna.trial.FrozenTrial]) -> set[str]:

@@ -122,11 +122,11 @@ def test_a_whole_need_miss_counts_in_its_own_family_only(seed):
 def test_a_calibrated_group_keeps_the_floor_of_its_calibrated_need(seed):
     base = baseline_candidate(seed.training)
     # The group measured 10 % over the ledger: need 28.6 GB; spread 1 % < floor 3 %: 0.858 GB free.
-    models = _models(seed, memory_samples=1, group_spread=0.01,
+    models = _models(seed, memory_samples=1, group_spreads=((memory_group(base), 0.01),),
                      memory_factors=((memory_group(base), 1.1),))
     assert _launchable(_on(seed, budget=29_458_000_100), models)  # float rounding of 1.1 x 26e9
     assert not _launchable(_on(seed, budget=29_457_000_000), models)
-    wide = replace(models, group_spread=0.05)  # measurements strayed 5 % from the group's factor: 1.43 GB
+    wide = replace(models, group_spreads=((memory_group(base), 0.05),))  # strayed 5 % from the factor: 1.43 GB
     assert not _launchable(_on(seed, budget=29_458_000_000), wide)
     assert _launchable(_on(seed, budget=30_030_000_100), wide)
 
@@ -150,7 +150,8 @@ def test_the_study_reads_its_errors_from_its_trials(repo_root):
     assert models.memory_samples == 3
     assert models.estimate_error == pytest.approx((108_000 - 103_000) / 40_000)  # beyond the 3 % floor: 0.125
     assert models.memory_factor(base) == pytest.approx(1.035)  # median(1.08, 0.99)
-    assert models.group_spread == pytest.approx(1.08 / 1.035 - 1)  # 4.3 %; z1 alone in its group: 0
+    assert dict(models.group_spreads) == pytest.approx({memory_group(base): 1.08 / 1.035 - 1,  # 4.3 %
+                                                        memory_group(z1): 0.0})  # alone in its group
     assert dict(models.family_under) == pytest.approx({"z0-optnone-pnone": 0.08, "z1-optnone-pnone": 0.0})
 
 

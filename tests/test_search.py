@@ -188,3 +188,23 @@ def test_a_run_measured_over_the_budget_is_an_oom_kept_as_data(repo_root):
     models = study_models(spec=spec, trials=study.get_trials(), base=base)
     assert models.memory_factor(base) == pytest.approx(over / first.user_attrs["predicted_training_needed_bytes"])
     assert memory_group(base) != memory_group(other) and models.time_samples == 2
+
+
+def test_once_calibrated_a_candidate_the_time_model_cannot_predict_goes_first(repo_root):
+    """Unknown speed (no figure: CPU ranks have no profile) ranks after known ones before calibration, before
+    them after it: one launch teaches the model the missing figure."""
+    from optimizer.ordering import StudyModels
+    from optimizer.search import order_key
+    from optimizer.throughput import profile_rates
+
+    def key(spec, samples):
+        base = baseline_candidate(spec.training)
+        verdict = evaluate(candidate=base, model=spec.model, hardware=spec.hardware, training=spec.training)
+        models = StudyModels(rates=profile_rates(hardware=spec.hardware), memory_factors=(), time_samples=samples,
+                             measured_fits=frozenset())
+        return order_key(verdict, spec=spec, models=models)[0]
+
+    cpu = load_study(repo_root / "studies" / "cpu-tiny.yaml")  # no profile figures: unknown
+    gpu = load_study(repo_root / "studies" / "llama-7b-8xh100.yaml")  # the H100 profile: predicted
+    assert (key(gpu, 0), key(cpu, 0)) == (0, 1)  # before calibration: the known first
+    assert (key(cpu, 3), key(gpu, 3)) == (0, 1)  # after: the unknown first
