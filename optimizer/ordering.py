@@ -54,8 +54,10 @@ PRIOR_MARGIN_CPU = 0.10
 largest whole-need under-prediction seen on CPU ranks is 8.4 % (the demo's z0 bf16 ckpt=none mbs=1, 3.137 MB
 measured against 2.894 MB predicted, in runs beside other load: one bf16 copy of the parameters still live when
 gloo's thread frees it late; the same candidate measured 2.896 MB alone), 6.9 % on the recorded grids."""
-EARN_SAMPLES = 3
-"""Memory samples after which the estimated-bytes prior gives way to what the study measured of its ledger."""
+EARN_SAMPLES = 2
+"""Samples (with estimated bytes) of a family after which the estimated-bytes prior gives way, for that
+family, to what the study measured: one sample may be a lucky micro-batch (grid-cpu's z2 bf16 ckpt=full
+opt->cpu missed by +7.7 % at micro-batch 4, +22 % at 1)."""
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StudyModels:
@@ -70,14 +72,13 @@ class StudyModels:
     """Measured trials behind ``rates``."""
     measured_fits: frozenset[str]
     """Candidate keys measured to fit (never pruned)."""
-    memory_samples: int = 0
-    """Trials whose device memory was measured (or bounded by an OOM) in this study."""
     family_under: tuple[tuple[str, float], ...] = ()
     """Per :func:`memory_family` with samples (the same stage and offload: the same ledger items), the ledger's
     largest whole-need under-prediction seen in this study: max(measured / predicted) − 1, at least 0."""
-    estimate_error: float = 0.0
-    """The largest relative miss of the estimated bytes seen in this study: max of (measured − predicted −
-    :data:`MIN_MARGIN`·predicted) / estimated over the samples with estimated bytes (0 if none missed)."""
+    family_estimate: tuple[tuple[str, float], ...] = ()
+    """Per :func:`memory_family` with :data:`EARN_SAMPLES` or more samples that have estimated bytes, the
+    largest relative miss of them: max of (measured − predicted − :data:`MIN_MARGIN`·predicted) / estimated,
+    at least 0."""
     group_spreads: tuple[tuple[str, float], ...] = ()
     """Per :func:`memory_group` with samples, how far its measurements strayed from its factor:
     max |measured / (k·predicted) − 1| (0 with one sample)."""
@@ -86,20 +87,21 @@ class StudyModels:
         """Bytes of the budget kept free when the candidate is launched (:func:`launchable`).
 
         A group with measurements: max(``MIN_MARGIN``, its own spread) of its calibrated need. Otherwise the
-        larger of a share and a whole-need term. Share: ``MIN_MARGIN``·need + u·estimated, u =
-        :data:`ESTIMATE_PRIOR` until the study has :data:`EARN_SAMPLES` memory samples, then the study's own
-        ``estimate_error``. Whole need: the worst under-prediction the study saw in the candidate's family (same
-        stage and offload); :data:`PRIOR_MARGIN` (GPU) or :data:`PRIOR_MARGIN_CPU` while the family has no
-        sample — another family's error says little about this one's items."""
+        larger of a share and a whole-need term. Share: ``MIN_MARGIN``·need + u·estimated, u the family's own
+        ``family_estimate`` once it has one, :data:`ESTIMATE_PRIOR` before. Whole need: the worst
+        under-prediction the study saw in the candidate's family (same stage and offload); :data:`PRIOR_MARGIN`
+        (GPU) or :data:`PRIOR_MARGIN_CPU` while the family has no sample — another family's error says little
+        about this one's items."""
         ledger = verdict.ledger
         assert ledger is not None
         need = ledger.training_needed_bytes
         if memory_group(verdict.candidate) in dict(self.memory_factors):
             spread = dict(self.group_spreads).get(memory_group(verdict.candidate), 0.0)
             return math.ceil(max(MIN_MARGIN, spread) * self.memory_factor(verdict.candidate) * need)
-        u = self.estimate_error if self.memory_samples >= EARN_SAMPLES else ESTIMATE_PRIOR
+        family = memory_family(verdict.candidate)
+        u = dict(self.family_estimate).get(family, ESTIMATE_PRIOR)
         prior = PRIOR_MARGIN_CPU if ledger.device_is_host else PRIOR_MARGIN
-        whole = dict(self.family_under).get(memory_family(verdict.candidate), prior)
+        whole = dict(self.family_under).get(family, prior)
         margin = max(MIN_MARGIN * need + u * ledger.estimated_bytes, whole * need)
         return math.ceil(margin)
 
@@ -219,8 +221,11 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
     factors = tuple(sorted((group, memory_factor(samples)) for group, samples in memory_samples.items()))
     every = [(group, s) for group, samples in memory_samples.items() for s in samples if s.predicted_bytes > 0]
     k = dict(factors)
-    misses = [(s.measured_bytes - (1 + MIN_MARGIN) * s.predicted_bytes) / s.estimated_bytes
-              for _, s in every if s.estimated_bytes > 0]
+    misses: dict[str, list[float]] = {}
+    for group, sample in every:
+        if sample.estimated_bytes > 0:
+            miss = (sample.measured_bytes - (1 + MIN_MARGIN) * sample.predicted_bytes) / sample.estimated_bytes
+            misses.setdefault(group_family[group], []).append(max(0.0, miss))
     spreads: dict[str, float] = {}
     for group, sample in every:
         stray = abs(sample.measured_bytes / (k[group] * sample.predicted_bytes) - 1)
@@ -232,8 +237,9 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
             if sample.predicted_bytes > 0:
                 family[name] = max(family.get(name, 0.0), sample.measured_bytes / sample.predicted_bytes - 1)
     return StudyModels(rates=rates, memory_factors=factors, time_samples=len(time_samples),
-                       measured_fits=frozenset(fits), memory_samples=len(every),
-                       estimate_error=max([0.0, *misses]), family_under=tuple(sorted(family.items())),
+                       measured_fits=frozenset(fits), family_under=tuple(sorted(family.items())),
+                       family_estimate=tuple(sorted((name, max(values)) for name, values in misses.items()
+                                                    if len(values) >= EARN_SAMPLES)),
                        group_spreads=tuple(sorted(spreads.items())))
 
 

@@ -71,7 +71,8 @@ def write_png(study: optuna.Study, path: Path, *, budget_bytes: int) -> Path:
             ax.annotate(label.split(" ", 1)[0], (memory, speed), textcoords="offset points", xytext=(4, 4),
                         fontsize=7, color="tab:red")
     ax.axvline(budget_bytes / MB, color="black", linestyle="--", linewidth=1, label=budget_label(budget_bytes))
-    ax.set_xlabel("training memory per device, measured: reserved peak + reserve (MB = 10^6 bytes)")
+    ax.set_xlabel("training memory per device, measured: reserved peak + reserve; CPU ranks: live tensors less "
+                  "host items (MB = 10^6 bytes)", fontsize=8)
     ax.set_ylabel("throughput (tokens/s)")
     ax.set_title(f"dsopt study {study.study_name}")
     ax.grid(alpha=0.3)

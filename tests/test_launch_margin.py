@@ -81,14 +81,14 @@ def test_before_any_measurement_a_gpu_keeps_20_percent_free(seed):
 
 
 def test_the_margin_shrinks_to_what_the_study_measured_of_its_ledger(seed):
-    # 3 samples: the estimated bytes missed by at most 10 %; ZeRO-0 without offload (this candidate's family)
-    # by at most 2 % on the whole need: max(3 % of 26 + 0.1 x 8, 2 % of 26) = max(1.58, 0.52) = 1.58 GB.
-    earned = dict(memory_samples=3, estimate_error=0.10, family_under=(("z0-optnone-pnone", 0.02),))
+    # This candidate's family (ZeRO-0, no offload) measured: its estimated bytes missed by at most 10 %, its
+    # whole need by at most 2 %: max(3 % of 26 + 0.1 x 8, 2 % of 26) = max(1.58, 0.52) = 1.58 GB.
+    earned = dict(family_estimate=(("z0-optnone-pnone", 0.10),), family_under=(("z0-optnone-pnone", 0.02),))
     for cpu in (False, True):
         assert _launchable(_on(seed, budget=27_580_000_000, cpu=cpu), _models(seed, **earned))
         assert not _launchable(_on(seed, budget=27_580_000_000 - 1, cpu=cpu), _models(seed, **earned))
-    # Two samples are not enough to drop the estimated-bytes prior (1.0 x 8 GB):
-    assert not _launchable(_on(seed, budget=27_580_000_000), _models(seed, **{**earned, "memory_samples": 2}))
+    # Without the family's estimate (fewer than EARN_SAMPLES samples) the prior stays (1.0 x 8 GB):
+    assert not _launchable(_on(seed, budget=27_580_000_000), _models(seed, **{**earned, "family_estimate": ()}))
     # A family measured 30 % under keeps 30 % free:
     worse = _models(seed, **{**earned, "family_under": (("z0-optnone-pnone", 0.30),)})
     assert not _launchable(_on(seed, budget=33_000_000_000), worse)
@@ -110,7 +110,7 @@ def test_on_cpu_ranks_the_prior_keeps_a_tenth_of_a_counted_need_free(repo_root):
 def test_a_whole_need_miss_counts_in_its_own_family_only(seed):
     # ZeRO-2 with the optimizer on the host was 30 % under; ZeRO-0 without offload (this candidate) 1 % under:
     # 3 % of 26 + 0 x 8 = 0.78 GB > 1 % of 26, so 26.78 GB will do.
-    earned = dict(memory_samples=3, estimate_error=0.0)
+    earned = dict(family_estimate=(("z0-optnone-pnone", 0.0), ("z2-optcpu-pnone", 0.0)))
     both = _models(seed, **earned, family_under=(("z0-optnone-pnone", 0.01), ("z2-optcpu-pnone", 0.30)))
     assert _launchable(_on(seed, budget=26_780_000_000), both)
     # A family with no sample keeps the prior, whatever other families measured: 20 % of 26 on a GPU.
@@ -122,7 +122,7 @@ def test_a_whole_need_miss_counts_in_its_own_family_only(seed):
 def test_a_calibrated_group_keeps_the_floor_of_its_calibrated_need(seed):
     base = baseline_candidate(seed.training)
     # The group measured 10 % over the ledger: need 28.6 GB; spread 1 % < floor 3 %: 0.858 GB free.
-    models = _models(seed, memory_samples=1, group_spreads=((memory_group(base), 0.01),),
+    models = _models(seed, group_spreads=((memory_group(base), 0.01),),
                      memory_factors=((memory_group(base), 1.1),))
     assert _launchable(_on(seed, budget=29_458_000_100), models)  # float rounding of 1.1 x 26e9
     assert not _launchable(_on(seed, budget=29_457_000_000), models)
@@ -147,8 +147,9 @@ def test_the_study_reads_its_errors_from_its_trials(repo_root):
               _frozen(mbs4, measured=99_000, predicted=100_000, estimated=50_000),
               _frozen(z1, measured=80_000, predicted=100_000, estimated=0)]
     models = study_models(spec=tiny, trials=trials, base=base)
-    assert models.memory_samples == 3
-    assert models.estimate_error == pytest.approx((108_000 - 103_000) / 40_000)  # beyond the 3 % floor: 0.125
+    # ZeRO-0's two samples with estimated bytes: (108,000 - 103,000) / 40,000 = 0.125 beyond the 3 % floor (the
+    # other missed nothing); ZeRO-1 has one sample and no estimated bytes: no estimate of its own yet.
+    assert dict(models.family_estimate) == pytest.approx({"z0-optnone-pnone": 0.125})
     assert models.memory_factor(base) == pytest.approx(1.035)  # median(1.08, 0.99)
     assert dict(models.group_spreads) == pytest.approx({memory_group(base): 1.08 / 1.035 - 1,  # 4.3 %
                                                         memory_group(z1): 0.0})  # alone in its group
@@ -180,7 +181,7 @@ def test_a_held_candidate_is_not_final_and_is_launched_once_the_margin_allows(re
     assert held.state is optuna.trial.TrialState.PRUNED and held.user_attrs["held"] and not calls
     assert held.user_attrs["pruned_reason"].startswith("held: predicted to fit")
     # The study measured its ledger exact, in this candidate's family too:
-    current[0] = _models(spec, memory_samples=3, estimate_error=0.0, family_under=(("z0-optnone-pnone", 0.0),))
+    current[0] = _models(spec, family_estimate=(("z0-optnone-pnone", 0.0),), family_under=(("z0-optnone-pnone", 0.0),))
     study.enqueue_trial(distribution_params(base, space))
     study.optimize(objective, n_trials=1, catch=(TrialFailed,))
     assert study.get_trials()[-1].state is optuna.trial.TrialState.COMPLETE and len(calls) == 1
