@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import optuna
 
 from optimizer.calibration import MemorySample, TimeSample, calibrated_fits, fit_rates, memory_factor
-from optimizer.knobs import Candidate, parse_knob
+from optimizer.knobs import Candidate, OffloadDevice, parse_knob
 from optimizer.ledger import Verdict
 from optimizer.specs import TransformerModel
 from optimizer.study_file import StudySpec
@@ -39,12 +39,16 @@ MIN_MARGIN = 0.03
 """Always kept free, as a fraction of the candidate's need: CPU-rank jitter between identical ZeRO-3 runs
 (qwen2-tiny: 4.729, 4.860, 4.877 MB, 3 %); on the recorded grids a group's ratios spread by ≤ 3.7 % across
 micro-batch sizes."""
-ESTIMATE_PRIOR = 1.0
+ESTIMATE_PRIOR = 0.25
 """How far the *estimated* bytes (activations, transient buffers: :attr:`Ledger.estimated_bytes`) may exceed
-the ledger before the study has measured its own: on the recorded grids the worst device-share miss beyond
-:data:`MIN_MARGIN`·need, relative to the estimated bytes, is 0.85 (grid-llama-cpu, z2 fp32 ckpt=full mbs=1
-opt->cpu: +28 % of the need, the estimated bytes 30 % of it) and 0.38 on grid-cpu (z2 bf16 ckpt=full mbs=1
-opt->cpu); README "The launch policy". Counted bytes (model states) get no such share."""
+the ledger before the candidate's family has measured its own: on the recorded grids, without offload, the
+worst miss beyond :data:`MIN_MARGIN`·need is 0.06 of the estimated bytes (grid-cpu, z1 bf16 ckpt=full mbs=1);
+0.25 leaves room for models no grid has seen. Counted bytes (model states) get no such share."""
+ESTIMATE_PRIOR_OFFLOADED = 1.0
+"""The same on CPU ranks when the optimizer or the parameters live on the host: host and device share one
+memory, the device share of a measurement is the measured peak less the ledger's host items, and a miss of
+those lands on it — 0.85 of the estimated bytes on grid-llama-cpu (z2 fp32 ckpt=full mbs=1 opt->cpu: +28 % of
+its need; the whole prediction, host and device, 9 % low), 0.38 on grid-cpu (README "The launch policy")."""
 PRIOR_MARGIN = 0.20
 """On a GPU, until the study has measured it, at least this fraction of the need is kept free: the allocator's
 fragmentation and the CUDA context are not measured on CPU ranks. Published anchor: no OOM in 454 runs whose
@@ -88,7 +92,8 @@ class StudyModels:
 
         A group with measurements: max(``MIN_MARGIN``, its own spread) of its calibrated need. Otherwise the
         larger of a share and a whole-need term. Share: ``MIN_MARGIN``·need + u·estimated, u the family's own
-        ``family_estimate`` once it has one, :data:`ESTIMATE_PRIOR` before. Whole need: the worst
+        ``family_estimate`` once it has one, :data:`ESTIMATE_PRIOR` (:data:`ESTIMATE_PRIOR_OFFLOADED` on CPU
+        ranks with offload) before. Whole need: the worst
         under-prediction the study saw in the candidate's family (same stage and offload); :data:`PRIOR_MARGIN`
         (GPU) or :data:`PRIOR_MARGIN_CPU` while the family has no sample — another family's error says little
         about this one's items."""
@@ -99,7 +104,10 @@ class StudyModels:
             spread = dict(self.group_spreads).get(memory_group(verdict.candidate), 0.0)
             return math.ceil(max(MIN_MARGIN, spread) * self.memory_factor(verdict.candidate) * need)
         family = memory_family(verdict.candidate)
-        u = dict(self.family_estimate).get(family, ESTIMATE_PRIOR)
+        c = verdict.candidate
+        offloaded = c.offload_optimizer is not OffloadDevice.NONE or c.offload_param is not OffloadDevice.NONE
+        u = dict(self.family_estimate).get(
+            family, ESTIMATE_PRIOR_OFFLOADED if offloaded and ledger.device_is_host else ESTIMATE_PRIOR)
         prior = PRIOR_MARGIN_CPU if ledger.device_is_host else PRIOR_MARGIN
         whole = dict(self.family_under).get(family, prior)
         margin = max(MIN_MARGIN * need + u * ledger.estimated_bytes, whole * need)

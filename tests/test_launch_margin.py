@@ -15,10 +15,11 @@ from dataclasses import replace
 import optuna
 import pytest
 
-from optimizer.knobs import Precision, ZeroStage, parse_checkpointing
+from optimizer.knobs import OffloadDevice, Precision, ZeroStage, parse_checkpointing
 from optimizer.ledger import evaluate
 from optimizer.ordering import (
     ESTIMATE_PRIOR,
+    ESTIMATE_PRIOR_OFFLOADED,
     MIN_MARGIN,
     PRIOR_MARGIN,
     PRIOR_MARGIN_CPU,
@@ -67,17 +68,35 @@ def test_the_seed_ledger_counts_8_of_its_26_gb_as_estimated(seed):
 
 
 def test_before_any_measurement_a_gpu_keeps_20_percent_free(seed):
-    assert (PRIOR_MARGIN, MIN_MARGIN, ESTIMATE_PRIOR) == (0.20, 0.03, 1.0)
-    # Plain data parallel: 3 % of 26 + 1.0 x 8 = 8.78 GB > 20 % of 26: a 34.78 GB budget, not a byte less.
-    for cpu in (False, True):
-        assert _launchable(_on(seed, budget=34_780_000_000, cpu=cpu), _models(seed))
-        assert not _launchable(_on(seed, budget=34_780_000_000 - 1, cpu=cpu), _models(seed))
-    # Full checkpointing (the seed: 3 GB of activations): need 26 - 8 + 3 = 21 GB; share 0.63 + 3 = 3.63 GB.
+    assert (PRIOR_MARGIN, PRIOR_MARGIN_CPU, MIN_MARGIN, ESTIMATE_PRIOR, ESTIMATE_PRIOR_OFFLOADED) == \
+        (0.20, 0.10, 0.03, 0.25, 1.0)
+    # Plain data parallel, GPU: max(3 % of 26 + 0.25 x 8, 20 % of 26) = max(2.78, 5.2) = 5.2 GB free.
+    assert _launchable(_on(seed, budget=31_200_000_000), _models(seed))
+    assert not _launchable(_on(seed, budget=31_200_000_000 - 1), _models(seed))
+    # CPU ranks: max(2.78, 10 % of 26 = 2.6) = 2.78 GB.
+    assert _launchable(_on(seed, budget=28_780_000_000, cpu=True), _models(seed))
+    assert not _launchable(_on(seed, budget=28_780_000_000 - 1, cpu=True), _models(seed))
+    # Full checkpointing (the seed: 3 GB of activations): need 26 - 8 + 3 = 21 GB; share 0.63 + 0.75 = 1.38 GB.
     full = replace(baseline_candidate(seed.training), checkpointing=parse_checkpointing("full"))
     assert _launchable(_on(seed, budget=25_200_000_000), _models(seed), full)  # GPU: 20 % of 21 = 4.2 GB
     assert not _launchable(_on(seed, budget=25_200_000_000 - 1), _models(seed), full)
-    assert _launchable(_on(seed, budget=24_630_000_000, cpu=True), _models(seed), full)  # CPU: the 3.63 GB share
-    assert not _launchable(_on(seed, budget=24_630_000_000 - 1, cpu=True), _models(seed), full)
+    assert _launchable(_on(seed, budget=23_100_000_000, cpu=True), _models(seed), full)  # CPU: 10 % of 21
+    assert not _launchable(_on(seed, budget=23_100_000_000 - 1, cpu=True), _models(seed), full)
+
+
+def test_on_cpu_ranks_with_offload_the_estimated_bytes_may_double(seed):
+    # The seed's ZeRO-1 + CPU optimizer offload: 18 GB per GPU (8 of them activations), 4 GB per rank on the host.
+    # On CPU ranks a miss of the host items lands on the device share: 3 % of 18 + 1.0 x 8 = 8.54 GB free.
+    offloaded = replace(baseline_candidate(seed.training), zero_stage=ZeroStage.OPTIMIZER,
+                        offload_optimizer=OffloadDevice.CPU)
+    cpu = _on(seed, budget=26_540_000_000, cpu=True)
+    ledger = evaluate(candidate=offloaded, model=cpu.model, hardware=cpu.hardware, training=cpu.training).ledger
+    assert (ledger.training_needed_bytes, ledger.estimated_bytes) == (18 * GB, ESTIMATED)
+    assert _launchable(cpu, _models(cpu), offloaded)
+    assert not _launchable(_on(seed, budget=26_540_000_000 - 1, cpu=True), _models(cpu), offloaded)
+    # On a GPU the host items are not in the device's memory: max(0.54 + 2, 20 % of 18 = 3.6) = 3.6 GB.
+    assert _launchable(_on(seed, budget=21_600_000_000), _models(seed), offloaded)
+    assert not _launchable(_on(seed, budget=21_600_000_000 - 1), _models(seed), offloaded)
 
 
 def test_the_margin_shrinks_to_what_the_study_measured_of_its_ledger(seed):
@@ -87,7 +106,7 @@ def test_the_margin_shrinks_to_what_the_study_measured_of_its_ledger(seed):
     for cpu in (False, True):
         assert _launchable(_on(seed, budget=27_580_000_000, cpu=cpu), _models(seed, **earned))
         assert not _launchable(_on(seed, budget=27_580_000_000 - 1, cpu=cpu), _models(seed, **earned))
-    # Without the family's estimate (fewer than EARN_SAMPLES samples) the prior stays (1.0 x 8 GB):
+    # Without the family's estimate (fewer than EARN_SAMPLES samples) the prior stays (0.25 x 8 = 2 GB):
     assert not _launchable(_on(seed, budget=27_580_000_000), _models(seed, **{**earned, "family_estimate": ()}))
     # A family measured 30 % under keeps 30 % free:
     worse = _models(seed, **{**earned, "family_under": (("z0-optnone-pnone", 0.30),)})
