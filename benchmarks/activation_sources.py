@@ -2,7 +2,8 @@
 
     python benchmarks/activation_sources.py [GRID.json ...]
 
-Default: benchmarks/data/grid-cpu.json (the built-in tiny GPT, 84 real runs, issue 6) and
+Default: benchmarks/data/grid-cpu.json (the built-in tiny GPT, 84 real runs, issue 6),
+benchmarks/data/grid-llama-cpu.json (a 4-layer GQA Llama, 84 real runs, issue 15) and
 benchmarks/data/llama-tiny-cpu.json (a transformers Llama from a local config: SwiGLU, RMSNorm, GQA, rotary;
 recorded with ``python benchmarks/record_grid.py studies/llama-tiny-cpu.yaml --out
 benchmarks/data/llama-tiny-cpu.json``), then the transformers families of ``benchmarks/hf_families.py --record``
@@ -39,10 +40,11 @@ from optimizer.study_file import load_study
 from optimizer.transformer import layer_terms
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT = (ROOT / "benchmarks" / "data" / "grid-cpu.json", ROOT / "benchmarks" / "data" / "llama-tiny-cpu.json",
+DEFAULT = (ROOT / "benchmarks" / "data" / "grid-cpu.json", ROOT / "benchmarks" / "data" / "grid-llama-cpu.json",
+           ROOT / "benchmarks" / "data" / "llama-tiny-cpu.json",
            *sorted(p for p in (ROOT / "benchmarks" / "data" / "families").glob("*.json")
                    if not p.name.endswith(".config.json")))
-"""The two recorded grids, then every family's runs recorded by ``benchmarks/hf_families.py --record``."""
+"""The recorded grids, then every family's runs recorded by ``benchmarks/hf_families.py --record``."""
 
 
 def per_rank_prediction(ledger) -> int:
