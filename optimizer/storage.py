@@ -198,23 +198,33 @@ def connection_url(url: str) -> str:
 
 
 def redact(text: str, *, url: str | None = None) -> str:
-    """``text`` with every password of a URL in it — and of ``url``, wherever it appears — replaced by ``***``
-    (:func:`credentials` finds it by parsing, whatever characters it holds)."""
-    secrets: set[str] = set()
-    whole = [text] if URL_TOKEN.match(text) else []  # a URL by itself: its password may hold a space
-    for token in ([url] if url else []) + whole + URL_TOKEN.findall(text):
-        password = credentials(token)[1]
-        if password:
-            secrets |= {password, password.replace("@", "%40")}
+    """``text`` with the password of every URL in it — and of ``url`` — replaced by ``***``, found by parsing
+    (:func:`credentials`: whatever characters it holds). A URL keeps its user, host and database; outside URLs
+    the password is masked wherever it stands (a backend may echo it)."""
+    if url and credentials(url)[1] is not None:  # the URL as given, wherever it stands (even a password with a space)
+        head, _, tail = credentials(url)
+        text = text.replace(url, f"{head}:***{tail}")
+    starts = URL_TOKEN.match(text) is not None  # the text is a URL (its password may even hold a space)
+    tokens = ([url] if url else []) + ([text] if starts else []) + URL_TOKEN.findall(text)
+    secrets = {p for token in tokens if (p := credentials(token)[1])}
+    secrets |= {p.replace("@", "%40") for p in secrets}
 
-    def masked(match: re.Match[str]) -> str:
-        head, password, host = credentials(match.group(0))
-        return match.group(0) if password is None else f"{head}:***{host}"
+    def hidden(segment: str) -> str:
+        for secret in sorted(secrets, key=len, reverse=True):
+            segment = segment.replace(secret, "***")
+        return segment
 
-    text = URL_TOKEN.sub(masked, text)
-    for secret in sorted(secrets, key=len, reverse=True):
-        text = text.replace(secret, "***")
-    return text
+    def masked(one: str) -> str:
+        head, password, tail = credentials(one)
+        return hidden(one) if password is None else f"{head}:***{tail}"
+
+    if starts:
+        return masked(text)
+    parts = URL_TOKEN.split(text)
+    out = [hidden(parts[0])]
+    for one, rest in zip(URL_TOKEN.findall(text), parts[1:], strict=True):
+        out += [masked(one), hidden(rest)]
+    return "".join(out)
 
 
 def check_readable(storage: str) -> None:

@@ -208,3 +208,10 @@ def test_once_calibrated_a_candidate_the_time_model_cannot_predict_goes_first(re
     gpu = load_study(repo_root / "studies" / "llama-7b-8xh100.yaml")  # the H100 profile: predicted
     assert (key(gpu, 0), key(cpu, 0)) == (0, 1)  # before calibration: the known first
     assert (key(cpu, 3), key(gpu, 3)) == (0, 1)  # after: the unknown first
+
+
+def test_a_password_equal_to_the_user_name_masks_only_the_password():
+    url = "postgresql+psycopg://dsopt:dsopt@127.0.0.1:5432/dsopt"
+    assert redact(url) == "postgresql+psycopg://dsopt:***@127.0.0.1:5432/dsopt"
+    masked = "postgresql+psycopg://dsopt:***@127.0.0.1:5432/dsopt"
+    assert redact(f"storage: {url} (3 workers)") == f"storage: {masked} (3 workers)"
