@@ -19,6 +19,7 @@ from launchers.study_run import counts, default_storage, run_study
 from launchers.trial import candidate_slug, run_trial
 from optimizer.cli import main
 from optimizer.knobs import with_knobs
+from optimizer.ordering import over_budget_trials
 from optimizer.pareto import feasible_front
 from optimizer.specs import baseline_candidate
 from optimizer.study_file import load_study
@@ -50,7 +51,7 @@ def test_a_small_study_completes(finished):
     _, study = finished
     c = counts(study)
     assert c["measured"] >= 2 and c["running"] == 0
-    assert sum(c[k] for k in ("measured", "reused", "pruned", "failed")) == 7
+    assert sum(c[k] for k in ("measured", "reused", "pruned", "held", "failed")) == 7
     assert study.best_trials
     for trial in study.best_trials:
         assert trial.user_attrs["outcome"] == "ok" and trial.user_attrs["loss_fidelity"] <= 2e-2
@@ -101,8 +102,10 @@ def test_the_study_stores_its_calibration_and_shows_it(finished, capsys):
     spec, study = finished
     stored = study.user_attrs["dsopt_calibration"]
     measured = [t for t in study.get_trials() if t.state is TrialState.COMPLETE and "reused_from" not in t.user_attrs]
+    over = over_budget_trials(study.get_trials())  # ran to the end, measured over the budget: their time counts
     # Refitted before each trial: it covers every measured trial but possibly the last one.
-    assert len(measured) - 1 <= stored["time_samples"] <= len(measured) and "memory_factors" in stored
+    timed = len(measured) + len(over)
+    assert timed - 1 <= stored["time_samples"] <= timed and "memory_factors" in stored
     assert main(["ledger", str(spec.path), "--calibrated"]) == 0
     out = capsys.readouterr().out
     for trial in measured:
