@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from trial_processes import trial_processes
@@ -18,11 +19,21 @@ def _fake_rank(trial_dir: Path) -> subprocess.Popen:
                              str(trial_dir / "plan.json"), str(trial_dir)])
 
 
+def _started(proc: subprocess.Popen, folder: Path) -> None:
+    """Wait until the process shows its own command line (under load /proc may still show the parent's for a
+    moment after Popen returns)."""
+    deadline = time.monotonic() + 20
+    while proc.pid not in trial_processes(folder) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_a_leaked_rank_of_this_folder_is_found_and_no_other(tmp_path):
     mine, other = tmp_path / "mine", tmp_path / "mine-not"  # a common prefix is not the same folder
     leaked = _fake_rank(mine / "trials" / "z0-fp32-none-mbs2")
     elsewhere = _fake_rank(other / "trials" / "z0-fp32-none-mbs2")
     try:
+        _started(leaked, mine)
+        _started(elsewhere, other)
         assert trial_processes(mine) == [leaked.pid]
         assert trial_processes(other) == [elsewhere.pid]
         assert trial_processes(tmp_path / "unrelated") == []
