@@ -16,7 +16,7 @@ A study file holds these sections::
 
 Every key is checked: an unknown key, a wrong type or an impossible value raises
 :class:`~optimizer.errors.UserError` naming the file, the dotted key and why. Files are read
-with ``yaml.safe_load``. This module is the only place the study's YAML is touched.
+with ``yaml.safe_load`` (:mod:`optimizer.yaml_file`, which also refuses repeated keys and base-60 numbers).
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
-
-import yaml
 
 from optimizer import limits
 from optimizer.cluster_settings import BudgetSettings, SlurmSettings, WorkerSettings
@@ -57,6 +55,7 @@ from optimizer.specs import (
     TrialSettings,
 )
 from optimizer.units import parse_bytes, parse_count
+from optimizer.yaml_file import read_yaml
 
 T = TypeVar("T")
 _MISSING = object()
@@ -480,20 +479,21 @@ _SLURM_MEM = re.compile(r"\d+[KMGT]?", re.IGNORECASE)
 """``--mem`` as sbatch(1) accepts it: a whole number, megabytes unless suffixed K, M, G or T (0: all of it)."""
 
 
-def _slurm_time(value: Any) -> str:
-    text = _count_text(value)
-    if not _SLURM_TIME.fullmatch(text):
-        raise ValueError(f"{text!r} is not a SLURM time (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or "
-                         "UNLIMITED; see sbatch --time)")
-    return text
+def _sbatch_format(pattern: re.Pattern[str], what: str) -> Callable[[Any], str]:
+    """Text (or a whole number) that ``pattern`` matches whole; else why, naming the sbatch format."""
+    def parse(value: Any) -> str:
+        text = _count_text(value)
+        if not pattern.fullmatch(text):
+            raise ValueError(f"{text!r} is not a SLURM {what}")
+        return text
+
+    return parse
 
 
-def _slurm_mem(value: Any) -> str:
-    text = _count_text(value)
-    if not _SLURM_MEM.fullmatch(text):
-        raise ValueError(f"{text!r} is not a SLURM memory size (a whole number with an optional K, M, G or T "
-                         "suffix, megabytes by default; 0 = all of the node's; see sbatch --mem)")
-    return text
+_slurm_time = _sbatch_format(_SLURM_TIME, "time (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or "
+                                          "UNLIMITED; see sbatch --time)")
+_slurm_mem = _sbatch_format(_SLURM_MEM, "memory size (a whole number with an optional K, M, G or T suffix, "
+                                        "megabytes by default; 0 = all of the node's; see sbatch --mem)")
 
 
 def _count_text(value: Any) -> str:
@@ -533,63 +533,6 @@ def _parse_slurm(section: _Section) -> SlurmSettings:
     ))
 
 
-MERGE_TAG = "tag:yaml.org,2002:merge"
-
-
-def _refuse_duplicate_keys(node: yaml.Node | None) -> None:
-    """Raise a YAML error at the second of two equal keys in one mapping, anywhere in ``node``'s tree.
-
-    PyYAML silently keeps the last value of a repeated key (a second ``layers:`` would win unseen). The check
-    runs on the composed node tree (``yaml.compose``: no object is constructed); keys compare by resolved tag
-    and text; ``<<:`` merge keys are skipped, so a mapping's own keys may still override merged ones."""
-    stack = [node] if node is not None else []
-    while stack:
-        current = stack.pop()
-        if isinstance(current, yaml.MappingNode):
-            seen: set[tuple[str, str]] = set()
-            for key_node, value_node in current.value:
-                stack.append(value_node)
-                if key_node.tag == MERGE_TAG or not isinstance(key_node, yaml.ScalarNode):
-                    continue
-                key = (key_node.tag, key_node.value)
-                if key in seen:
-                    raise yaml.constructor.ConstructorError("while constructing a mapping", current.start_mark,
-                                                            f"duplicate key {key_node.value!r}",
-                                                            key_node.start_mark)
-                seen.add(key)
-        elif isinstance(current, yaml.SequenceNode):
-            stack.extend(current.value)
-        elif isinstance(current, yaml.ScalarNode) and current.tag in (INT_TAG, FLOAT_TAG) and ":" in current.value:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"{current.value!r} is read by YAML 1.1 as a base-60 number "
-                f"({yaml.safe_load(current.value)!r}), not as text; quote it (e.g. \"{current.value}\")",
-                current.start_mark)
-
-
-INT_TAG, FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
-"""Resolved tags of plain scalars PyYAML reads as numbers; one with a ':' is a YAML 1.1 base-60 number
-(``12:00:00`` → 43200), which YAML 1.2 dropped: a SLURM time written unquoted would silently become 30 days."""
-
-
-def _read_yaml(path: Path, *, what: str) -> object:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(source=str(path), key="", why=f"{what} not found") from None
-    except OSError as err:
-        raise UserError(source=str(path), key="", why=f"cannot read {what}: {err.strerror}") from None
-    except UnicodeDecodeError:
-        raise UserError(source=str(path), key="", why=f"the {what} is not UTF-8 text") from None
-    try:
-        _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err)
-        raise UserError(source=str(path), key="", why=f"malformed YAML{where}: {problem}") from None
-
-
 def _parse_space_ref(value: object, *, study_path: Path) -> SearchSpace:
     source = str(study_path)
     if isinstance(value, str):
@@ -597,7 +540,7 @@ def _parse_space_ref(value: object, *, study_path: Path) -> SearchSpace:
         if not space_path.is_file():
             raise UserError(source=source, key="search_space", why=f"search-space file {value!r} not found "
                             f"(looked at {space_path})")
-        raw = _read_yaml(space_path, what="search-space file")
+        raw = read_yaml(space_path, what="search-space file")
         return parse_search_space(raw, source=str(space_path))
     if isinstance(value, Mapping):
         return parse_search_space(value, source=source, key_prefix="search_space")
@@ -608,7 +551,7 @@ def _parse_space_ref(value: object, *, study_path: Path) -> SearchSpace:
 def load_study(path: str | Path) -> StudySpec:
     """Read and validate the study file at ``path``; raise :class:`UserError` on any mistake."""
     study_path = Path(path)
-    raw = _read_yaml(study_path, what="study file")
+    raw = read_yaml(study_path, what="study file")
     source = str(study_path)
     top = _Section(raw if raw is not None else {}, source=source, key="")
     name = top.get("name", _name, study_path.stem)
