@@ -45,6 +45,10 @@ def main() -> None:
             engine.step()
         (out / f"{case['name']}.rank{rank}.json").write_text(json.dumps({"held_after_forward": held}))
         engine.destroy()
+    # Without it gloo's worker threads are still joinable at interpreter exit: "terminate called without
+    # an active exception", SIGABRT after the work is done (pytorch/pytorch#190489; CI of stop 20 saw it here).
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 main()
