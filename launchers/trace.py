@@ -46,7 +46,7 @@ from optimizer.zero3_gather import gathered
 from optimizer.zero_settings import gather_settings
 
 DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
-TRACE_FORMAT = 5
+TRACE_FORMAT = 6
 """Bumped when :class:`TraceResult` changes, so older cache entries are traced again."""
 WORKING_KINDS = ("Activation", "Temp")
 """MemTracker kinds that are activations (as opposed to parameters, buffers, gradients, optimizer states)."""
@@ -84,6 +84,12 @@ class TraceResult:
     """The activations' high-water mark in the same stretches (``activation_peak_bytes`` is their maximum):
     within a stretch every moment grows alike with the depth, between stretches not (the embedding's backward
     is the same at any depth, the start of backward grows with it)."""
+    ungraded_segments: tuple[int, ...] = ()
+    """The activations' high-water mark in the same stretches at moments before autograd made any gradient
+    (forward, and the start of backward: the loss and the head), 0 for a stretch with no such moment. ZeRO-2
+    allocates its gradient bucket and partition at the first gradient's hook, so they are not live then."""
+    graded_segments: tuple[int, ...] = ()
+    """The same at moments once some gradient exists (``working_segments`` is the larger of the two)."""
     zero3_gathered_elements: int = 0
     """The most parameter elements ZeRO-3 would keep gathered at once over this step: DeepSpeed's coordinator
     replayed over the traced module order (:mod:`optimizer.zero3_gather`)."""
@@ -134,6 +140,8 @@ def _tracker(blocks: nn.ModuleList | None = None, modules: list[nn.Module] | Non
             self.blocks_done = 0  # decoder blocks whose backward has completed
             self.segments: list[tuple[int, int]] = [(0, 0)]  # forward, then after 0, 1, … blocks' backward
             self.working_segments: list[int] = [0]  # the same stretches' activation high-water marks
+            self.ungraded_segments: list[int] = [0]  # … before any gradient exists
+            self.graded_segments: list[int] = [0]  # … once one does
             self.module_events: list[tuple[str, int]] = []  # (forward_pre | … | backward_post, module index)
 
         def _note(self, kind: str, module: nn.Module) -> None:
@@ -170,8 +178,13 @@ def _tracker(blocks: nn.ModuleList | None = None, modules: list[nn.Module] | Non
             while len(self.segments) <= segment:
                 self.segments.append((0, 0))
                 self.working_segments.append(0)
+                self.ungraded_segments.append(0)
+                self.graded_segments.append(0)
             self.working_segments[segment] = max(self.working_segments[segment], working)
-            pair = (working, kinds.get("Gradient", 0))
+            grads = kinds.get("Gradient", 0)
+            split = self.graded_segments if grads else self.ungraded_segments
+            split[segment] = max(split[segment], working)
+            pair = (working, grads)
             if sum(pair) > sum(self.segments[segment]):
                 self.segments[segment] = pair
 
@@ -288,7 +301,9 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                        stored_bytes=stored, blocks_stored_bytes=blocks_stored,
                        blocks=len(blocks) if blocks is not None else 0, total_peak_bytes=total_peak,
                        kept_by_op=kept_by_op, joint_segments=tuple(tracker.segments),
-                       working_segments=tuple(tracker.working_segments), notes=tuple(notes),
+                       working_segments=tuple(tracker.working_segments),
+                       ungraded_segments=tuple(tracker.ungraded_segments),
+                       graded_segments=tuple(tracker.graded_segments), notes=tuple(notes),
                        zero3_gathered_elements=gathered, zero3_gathered_after_forward=gathered_turn)
 
 
@@ -329,7 +344,9 @@ class TraceCache(JsonFileCache):
                     result = entry["result"]
                     return TraceResult(**{**result, "notes": tuple(result["notes"]),
                                           "joint_segments": tuple(tuple(p) for p in result["joint_segments"]),
-                                          "working_segments": tuple(result["working_segments"])})
+                                          "working_segments": tuple(result["working_segments"]),
+                                          "ungraded_segments": tuple(result["ungraded_segments"]),
+                                          "graded_segments": tuple(result["graded_segments"])})
                 return TraceFailure(**entry["result"])
             except (TypeError, KeyError):  # written by an older format: trace again
                 pass
@@ -365,7 +382,7 @@ def traced_activation(*, cache: TraceCache | Path | None, model_spec: dict[str, 
     """The ledger's entry: a trace at each of ``micro_batches`` (:class:`optimizer.specs.TracedActivation`),
     from shallow copies of the model when they extend to its ``parameters`` (:meth:`TraceCache.trace_model`)."""
     store = cache if isinstance(cache, TraceCache) else TraceCache(cache)
-    points, joints, phase, notes, zero3 = [], [], "backward", (), 0
+    points, joints, splits, phase, notes, zero3 = [], [], [], "backward", (), 0
     for micro_batch in sorted(set(micro_batches)):
         result = store.trace_model(model_spec=model_spec, parameters=parameters, checkpointing=checkpointing,
                                    precision=precision, micro_batch=micro_batch, sequence_length=sequence_length)
@@ -373,9 +390,11 @@ def traced_activation(*, cache: TraceCache | Path | None, model_spec: dict[str, 
             return TracedActivation(checkpointing=checkpointing, precision=precision, failed_op=result.op)
         points.append((micro_batch, result.activation_peak_bytes))
         joints.append((micro_batch, *joint_peak(result.joint_segments)))
+        splits.append((micro_batch, max(result.ungraded_segments, default=0), max(result.graded_segments, default=0)))
         phase, notes, zero3 = result.peak_phase, result.notes, max(zero3, result.zero3_gathered_elements)
     return TracedActivation(checkpointing=checkpointing, precision=precision, points=tuple(points), peak_phase=phase,
-                            joint_points=tuple(joints), notes=notes, zero3_gathered=zero3)
+                            joint_points=tuple(joints), split_points=tuple(splits), notes=notes,
+                            zero3_gathered=zero3)
 
 
 def traceable_options(study: StudySpec) -> list[tuple[str, Precision]]:

@@ -79,9 +79,12 @@ def extrapolate(shallow: Any, deeper: Any, *, depths: tuple[int, int], layers: i
     working = _segments(tuple((w,) for w in shallow.working_segments),
                         tuple((w,) for w in deeper.working_segments), depths=depths, line=line)
     marks = [w for (w,) in working]
+    split = {name: tuple(w for (w,) in _segments(tuple((w,) for w in getattr(shallow, name)),
+                                                 tuple((w,) for w in getattr(deeper, name)), depths=depths, line=line))
+             for name in ("ungraded_segments", "graded_segments")}
     out: dict[str, Any] = {
         "joint_segments": _segments(shallow.joint_segments, deeper.joint_segments, depths=depths, line=line),
-        "working_segments": tuple(marks), "activation_peak_bytes": max(marks),
+        "working_segments": tuple(marks), "activation_peak_bytes": max(marks), **split,
         "peak_phase": "forward" if marks[0] == max(marks) else "backward"}
     for field in dataclasses.fields(deeper):
         a, b = getattr(shallow, field.name), getattr(deeper, field.name)

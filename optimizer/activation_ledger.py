@@ -34,7 +34,7 @@ def joint_trace(model: TransformerModel, candidate: Candidate) -> TracedActivati
 
 
 def activation_items(*, model: TransformerModel, candidate: Candidate, sequence_length: int,
-                     element_bytes: int, joined: bool = False) -> list[LedgerItem]:
+                     element_bytes: int, joined: bool = False, split: bool = False) -> list[LedgerItem]:
     """The activation lines, each saying where its figure came from.
 
     * ``activations: trace``/``auto`` with a traced entry: one line, the traced high-water mark of
@@ -43,6 +43,8 @@ def activation_items(*, model: TransformerModel, candidate: Candidate, sequence_
     * ``joined`` (the caller counts autograd's gradients after backward only, :mod:`optimizer.model_states`):
       two lines at the moment activations + the gradients made so far peaked, as traced — the activations
       then, and those gradients.
+    * ``split`` (the caller's gradient storage appears at the first gradient, ZeRO-2): two lines, the traced
+      high-water mark before autograd made any gradient (phase ``forward``) and after (``backward``).
     * otherwise the formula's two lines (kept for backward, + one recomputed block); when the trace failed,
       the source says at which op, and an ``auto`` study not traced says so.
     """
@@ -53,18 +55,21 @@ def activation_items(*, model: TransformerModel, candidate: Candidate, sequence_
             f"joined from traces at b = {', '.join(str(p[0]) for p in traced.points)}"
         source = "; ".join([f"trace: the study's model on fake tensors ({candidate.precision})", *traced.notes])
         joint = traced.joint_at(b) if joined else None
+        halves = traced.split_at(b) if split else None
+        ckpt = candidate.checkpointing
         if joint is not None:
-            working, grads = joint
-            return [
-                LedgerItem(name=f"activations where activations + gradients peak ({candidate.checkpointing})",
-                           category=Category.ACTIVATIONS, location=Location.GPU, bytes=working, formula=how,
-                           source=source, phase=Phase.BACKWARD),
-                LedgerItem(name="gradients made by that moment of backward", category=Category.GRADS,
-                           location=Location.GPU, bytes=grads, formula=how, source=source, phase=Phase.BACKWARD)]
-        return [LedgerItem(
-            name=f"activations, traced high-water mark ({candidate.checkpointing}, {traced.peak_phase})",
-            category=Category.ACTIVATIONS, location=Location.GPU, bytes=traced.bytes_at(b), formula=how,
-            source=source, phase=Phase.BACKWARD)]
+            lines = [(f"activations where activations + gradients peak ({ckpt})", Category.ACTIVATIONS, joint[0],
+                      Phase.BACKWARD),
+                     ("gradients made by that moment of backward", Category.GRADS, joint[1], Phase.BACKWARD)]
+        elif halves is not None:
+            lines = [(f"activations before the first gradient ({ckpt})", Category.ACTIVATIONS, halves[0],
+                      Phase.FORWARD),
+                     (f"activations once gradients exist ({ckpt})", Category.ACTIVATIONS, halves[1], Phase.BACKWARD)]
+        else:
+            lines = [(f"activations, traced high-water mark ({ckpt}, {traced.peak_phase})", Category.ACTIVATIONS,
+                      traced.bytes_at(b), Phase.BACKWARD)]
+        return [LedgerItem(name=name, category=category, location=Location.GPU, bytes=num_bytes, formula=how,
+                           source=source, phase=phase) for name, category, num_bytes, phase in lines]
     if traced is not None:
         source = f"formula (trace failed at {traced.failed_op}): {KORTHIKANTI}"
     elif model.wants_trace:

@@ -34,15 +34,22 @@ class Phase(StrEnum):
 
     ALWAYS = "always"
     INIT = "init"
+    FORWARD = "forward"
+    """Forward and the start of backward, before autograd made any gradient: activations at their high-water mark
+    of those moments, no ZeRO-2 gradient bucket or partition yet (they are allocated at the first gradient's
+    hook). Used where a trace split the activations at that moment (:attr:`TracedActivation.split_points`)."""
     BACKWARD = "backward"
     """Forward→backward: activations, gradient buckets, gathered ZeRO-3 parameters."""
     REDUCE = "reduce"
     """After backward: gradients reduced into their partitions."""
     STEP = "step"
     """The optimizer step: FP32 gradient copies, norms."""
+    GATHER = "gather"
+    """After the optimizer step of ZeRO-1/2: the updated partitions all-gathered into the parameters (on CPU
+    ranks gloo allocates the gathered tensor; NCCL writes in place)."""
 
 
-TRANSIENT_PHASES = (Phase.BACKWARD, Phase.REDUCE, Phase.STEP)
+TRANSIENT_PHASES = (Phase.BACKWARD, Phase.FORWARD, Phase.REDUCE, Phase.STEP, Phase.GATHER)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

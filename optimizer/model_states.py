@@ -139,9 +139,12 @@ def _stage0(z: _Sizes, precision: Precision, *, joined: bool) -> list[LedgerItem
     return items
 
 
-def _stage12(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, joined: bool) -> list[LedgerItem]:
+def _stage12(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, joined: bool,
+             split: bool = False, gloo: bool = False) -> list[LedgerItem]:
     """ZeRO-1/2 (``DeepSpeedZeroOptimizer``), optionally with the optimizer on the CPU. With ``joined`` (stage 1)
-    the full gradients of backward are in the traced joint line."""
+    the full gradients of backward are in the traced joint line; with ``split`` (stage 2) the activations are
+    two lines, before the first gradient (phase ``forward``: no bucket or partition yet) and after. With
+    ``gloo`` (CPU ranks) the all-gather after the step allocates the gathered parameters once more."""
     g, p, sigma = z.g, z.p, z.sigma
     stage1 = candidate.zero_stage is ZeroStage.OPTIMIZER
     offload = candidate.offload_optimizer is OffloadDevice.CPU
@@ -154,6 +157,11 @@ def _stage12(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, joined:
               Location.GPU, buckets * g * z.bucket, f"{buckets}·{g}·B", f"{STAGE12}:3266-3278",
               Phase.ALWAYS if stage1 else Phase.BACKWARD),
     ]
+    if gloo:
+        # all_gather_dp_groups (runtime/utils.py) into the flat parameters: over gloo the profiled ranks allocated
+        # a tensor of the whole flat group under c10d::_allgather_base_ (benchmarks/peak_attribution.py).
+        items.append(_item(f"{prec} all-gathered parameters (gloo's output tensor)", Category.BUFFERS, Location.GPU,
+                           g * z.padded, f"{g}Ψ", f"{STAGE12}:3155-3158 (all_gather_dp_groups); gloo", Phase.GATHER))
     if stage1:
         # Full low-precision gradients until the boundary reduction clears them (:1067).
         for phase in (Phase.REDUCE,) if joined else (Phase.BACKWARD, Phase.REDUCE):
@@ -179,16 +187,21 @@ def _stage12(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, joined:
             _item("per-tensor fp32/fp64 temporaries in step", Category.BUFFERS, Location.GPU,
                   12 * z.largest_tensor, "12Lₜ", f"{STAGE12}:2684-2686", Phase.STEP),
         ]
-        if z.gas > 1:
+        if z.gas > 1 and not stage1:
+            # Kept per parameter in a dict that is never cleared (:1852-1853). Stage 1 reduces at the boundary
+            # only (:2293-2295), after the last micro-batch's backward, so nothing accumulates on the host (a
+            # profiled 2-rank stage-1 run with GAS = 4 made no allocation there).
             items.append(_item("accumulated gradients on host (GAS > 1, pinned)", Category.GRADS, Location.HOST,
-                               g * sigma, f"{g}Σ", f"{STAGE12}:1822-1826"))
+                               g * sigma, f"{g}Σ", f"{STAGE12}:1822-1826, 1852-1853"))
         return items
-    copies = 2 if (not stage1 and z.gas > 1) else 1
     reduce_phase = Phase.BACKWARD if not stage1 else Phase.REDUCE
+    if not stage1 and split and z.gas > 1:
+        # The partition the earlier micro-batches filled is live when the next one's forward starts.
+        items.append(_item(f"{prec} gradient partition of the earlier micro-batches (GAS > 1)", Category.GRADS,
+                           Location.GPU, g * sigma, f"{g}Σ", f"{STAGE12}:2184-2203", Phase.FORWARD))
     items += [
-        _item(f"{prec} gradient partition{' ×2 (GAS > 1)' if copies > 1 else ''} (grads_in_partition)",
-              Category.GRADS, Location.GPU, copies * g * sigma, f"{copies}·{g}Σ" if copies > 1 else f"{g}Σ",
-              f"{STAGE12}:2184-2203", reduce_phase),
+        _item(f"{prec} gradient partition (grads_in_partition, allocated at the first reduction)",
+              Category.GRADS, Location.GPU, g * sigma, f"{g}Σ", f"{STAGE12}:2184-2203", reduce_phase),
         _item("reduction flatten (≤ one bucket)", Category.BUFFERS, Location.GPU, g * z.bucket, f"{g}·B",
               f"{STAGE12}:2367-2376", reduce_phase),
         _item(f"{prec} gradient partition (until step)", Category.GRADS, Location.GPU, g * sigma, f"{g}Σ",
@@ -320,20 +333,23 @@ def transformer_items(
     z = _sizes(model=model, candidate=candidate, hardware=hardware, training=training, settings=settings)
     stage = candidate.zero_stage
     # Autograd's own .grad tensors grow during backward at stages 0 and 1 (one micro-batch per step: with
-    # more, the earlier micro-batches' gradients are all there when the next backward starts). Not joined with
-    # the optimizer offloaded: DeepSpeed's offload hooks move gradients as they come, a path not measured here.
+    # more, the earlier micro-batches' gradients are all there when the next backward starts); with the
+    # optimizer offloaded too, since stage 1 reduces after backward (stage_1_and_2.py:2293-2295, overlap_comm
+    # off). ZeRO-2's bucket and partition appear at the first gradient's hook: its activations are split there.
     joined = stage in (ZeroStage.DISABLED, ZeroStage.OPTIMIZER) and z.gas == 1 \
-        and candidate.offload_optimizer is OffloadDevice.NONE and joint_trace(model, candidate) is not None
+        and joint_trace(model, candidate) is not None
+    traced = usable_trace(model, candidate)
+    split = stage is ZeroStage.GRADIENTS and traced is not None and bool(traced.split_points)
     if stage is ZeroStage.DISABLED:
         items = _stage0(z, candidate.precision, joined=joined)
     elif stage is ZeroStage.PARAMETERS:
-        traced = usable_trace(model, candidate)
         items = _stage3(z, candidate, settings, replayed=traced.zero3_gathered if traced is not None else 0)
     else:
-        items = _stage12(z, candidate, settings, joined=joined)
+        items = _stage12(z, candidate, settings, joined=joined, split=split,
+                         gloo=hardware.accelerator is Accelerator.CPU)
 
     items += activation_items(model=model, candidate=candidate, sequence_length=training.sequence_length,
-                              element_bytes=z.g, joined=joined)
+                              element_bytes=z.g, joined=joined, split=split)
     moments = init_moments(candidate=candidate, construction=training.construction(stage), psi=z.psi,
                            padded=z.padded, p=z.p, q=z.q, s=z.s, largest_tensor=z.largest_tensor,
                            largest_module=z.largest_module, tied=z.tied, bucket=z.bucket,

@@ -114,6 +114,10 @@ class TracedActivation:
     joint_points: tuple[tuple[int, int, int], ...] = ()
     """(micro-batch, activations + temporaries, gradients made so far) at the moment their sum peaked: the
     phase-aware join of activations and autograd's gradients (:mod:`launchers.trace`); empty when not traced."""
+    split_points: tuple[tuple[int, int, int], ...] = ()
+    """(micro-batch, activations' high-water mark before autograd made any gradient, … once one exists): the
+    moments ZeRO-2's gradient bucket and partition are not yet live, and those they are (:mod:`launchers.trace`);
+    empty when not traced."""
     notes: tuple[str, ...] = ()
     """What the trace assumed or how it was taken (MoE experts, depths extended), stated in the ledger."""
     zero3_gathered: int = 0
@@ -125,6 +129,8 @@ class TracedActivation:
         object.__setattr__(self, "points", tuple(sorted((int(b), int(n)) for b, n in self.points)))
         object.__setattr__(self, "joint_points",
                            tuple(sorted((int(b), int(w), int(g)) for b, w, g in self.joint_points)))
+        object.__setattr__(self, "split_points",
+                           tuple(sorted((int(b), int(u), int(g)) for b, u, g in self.split_points)))
         object.__setattr__(self, "notes", tuple(str(n) for n in self.notes))
         if self.failed_op is None and not self.points:
             raise ValueError("a traced activation needs at least one (micro-batch, bytes) point")
@@ -141,6 +147,15 @@ class TracedActivation:
         working = _joined(tuple((b, w) for b, w, _ in self.joint_points), micro_batch)
         grads = _joined(tuple((b, g) for b, _, g in self.joint_points), micro_batch)
         return working, grads
+
+
+    def split_at(self, micro_batch: int) -> tuple[int, int] | None:
+        """(activations before the first gradient, activations after it) for ``micro_batch`` samples, as
+        :meth:`bytes_at` joins points; None without split points."""
+        if not self.split_points:
+            return None
+        return (_joined(tuple((b, u) for b, u, _ in self.split_points), micro_batch),
+                _joined(tuple((b, g) for b, _, g in self.split_points), micro_batch))
 
 
 def _joined(points: tuple[tuple[int, int], ...], micro_batch: int) -> int:

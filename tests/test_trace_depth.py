@@ -67,6 +67,8 @@ def test_the_extended_trace_equals_the_full_depth_trace(gpt, checkpointing, prec
                      "zero3_gathered_after_forward"):
             assert getattr(extended, name) == getattr(full, name), name
         assert joint_peak(extended.joint_segments) == joint_peak(full.joint_segments)
+        for name in ("ungraded_segments", "graded_segments"):  # ZeRO-2's split, extended stretch by stretch
+            assert max(getattr(extended, name)) == max(getattr(full, name)), name
 
 
 def test_a_depth_dependent_structure_is_traced_at_full_depth():
@@ -112,6 +114,12 @@ def test_the_joint_of_activations_and_gradients_lies_between_its_parts(gpt):
     assert len(result.joint_segments) == gpt["layers"] + 2  # forward, after 0..L blocks' backward
     assert working + grads >= gradients  # every gradient exists once backward ends
     assert max(result.working_segments) == result.activation_peak_bytes
+    # the split at the first gradient: every moment is on one side; forward is all before it, and without
+    # checkpointing the start of backward (every activation still kept, the loss's gradient made) is its peak
+    assert [max(u, g) for u, g in zip(result.ungraded_segments, result.graded_segments, strict=True)] == \
+        list(result.working_segments)
+    assert result.graded_segments[0] == 0 and result.ungraded_segments[0] == result.working_segments[0]
+    assert max(result.ungraded_segments) == result.activation_peak_bytes > max(result.graded_segments) > 0
 
 
 def test_zero0_counts_the_gradients_made_by_the_joint_moment(tmp_path):
