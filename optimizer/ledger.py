@@ -139,6 +139,17 @@ class Ledger:
         """Bytes one rank's device holds at training's peak (CPU ranks: device and host items)."""
         return self.training_bytes_at(self.host_locations if self.device_is_host else (Location.GPU,))
 
+    @property
+    def training_host_share_bytes(self) -> int:
+        """On CPU ranks, the host items' bytes at training's peak of the one memory device and host items share
+        (the always-live ones and the peak phase's): what a measurement of that memory holds beyond the
+        device's share. 0 on a GPU, whose device is measured apart."""
+        if not self.device_is_host:
+            return 0
+        where = self.host_locations
+        phase = max(TRANSIENT_PHASES, key=lambda ph: (self._phase_bytes(where, ph), -TRANSIENT_PHASES.index(ph)))
+        return self._phase_bytes(Location.HOST, Phase.ALWAYS) + self._phase_bytes(Location.HOST, phase)
+
     def init_bytes_at(self, location: Location | tuple[Location, ...]) -> int:
         """Bytes one rank holds at ``location`` at the init phase's peak."""
         return self._phase_bytes(location, Phase.INIT)

@@ -247,7 +247,7 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
         trial.set_user_attr("predicted_training_needed_bytes", ledger.training_needed_bytes)
         trial.set_user_attr("predicted_init_needed_bytes", ledger.init_needed_bytes)
         trial.set_user_attr("predicted_estimated_bytes", ledger.estimated_bytes)
-        host_share = (ledger.training_bytes - ledger.training_bytes_at(Location.GPU)) if ledger.device_is_host else 0
+        host_share = ledger.training_host_share_bytes
         trial.set_user_attr("predicted_host_bytes", host_share)  # CPU ranks: measured with the device's
         init_host_share = (ledger.init_bytes - ledger.init_bytes_at(Location.GPU)) if ledger.device_is_host else 0
         trial.set_user_attr("predicted_init_host_bytes", init_host_share)

@@ -69,7 +69,7 @@ def test_the_seed_ledger_counts_8_of_its_26_gb_as_estimated(seed):
 
 def test_before_any_measurement_a_gpu_keeps_20_percent_free(seed):
     assert (PRIOR_MARGIN, PRIOR_MARGIN_CPU, MIN_MARGIN, ESTIMATE_PRIOR, ESTIMATE_PRIOR_OFFLOADED) == \
-        (0.20, 0.10, 0.03, 0.25, 1.0)
+        (0.20, 0.10, 0.03, 0.25, 0.5)
     # Plain data parallel, GPU: max(3 % of 26 + 0.25 x 8, 20 % of 26) = max(2.78, 5.2) = 5.2 GB free.
     assert _launchable(_on(seed, budget=31_200_000_000), _models(seed))
     assert not _launchable(_on(seed, budget=31_200_000_000 - 1), _models(seed))
@@ -84,16 +84,16 @@ def test_before_any_measurement_a_gpu_keeps_20_percent_free(seed):
     assert not _launchable(_on(seed, budget=23_100_000_000 - 1, cpu=True), _models(seed), full)
 
 
-def test_on_cpu_ranks_with_offload_the_estimated_bytes_may_double(seed):
+def test_on_cpu_ranks_with_offload_the_estimated_bytes_may_grow_by_half(seed):
     # The seed's ZeRO-1 + CPU optimizer offload: 18 GB per GPU (8 of them activations), 4 GB per rank on the host.
-    # On CPU ranks a miss of the host items lands on the device share: 3 % of 18 + 1.0 x 8 = 8.54 GB free.
+    # On CPU ranks a miss of the host items lands on the device share: 3 % of 18 + 0.5 x 8 = 4.54 GB free.
     offloaded = replace(baseline_candidate(seed.training), zero_stage=ZeroStage.OPTIMIZER,
                         offload_optimizer=OffloadDevice.CPU)
-    cpu = _on(seed, budget=26_540_000_000, cpu=True)
+    cpu = _on(seed, budget=22_540_000_000, cpu=True)
     ledger = evaluate(candidate=offloaded, model=cpu.model, hardware=cpu.hardware, training=cpu.training).ledger
     assert (ledger.training_needed_bytes, ledger.estimated_bytes) == (18 * GB, ESTIMATED)
     assert _launchable(cpu, _models(cpu), offloaded)
-    assert not _launchable(_on(seed, budget=26_540_000_000 - 1, cpu=True), _models(cpu), offloaded)
+    assert not _launchable(_on(seed, budget=22_540_000_000 - 1, cpu=True), _models(cpu), offloaded)
     # On a GPU the host items are not in the device's memory: max(0.54 + 2, 20 % of 18 = 3.6) = 3.6 GB.
     assert _launchable(_on(seed, budget=21_600_000_000), _models(seed), offloaded)
     assert not _launchable(_on(seed, budget=21_600_000_000 - 1), _models(seed), offloaded)

@@ -82,3 +82,12 @@ def test_host_accumulation_is_zero2s_alone(study):
         ledger = _ledger(study, zero_stage=stage, offload_optimizer="cpu", micro_batch_size=2)
         return [i.bytes for i in ledger.items if i.name.startswith("accumulated gradients on host")]
     assert host_accumulation(2) == [SIGMA] and host_accumulation(1) == []
+
+
+def test_a_cpu_rank_measurement_leaves_out_the_host_items_at_its_peak(study):
+    # ZeRO-2, optimizer on the host: fp32 master 4P, Adam 8P, pinned fp32 gradient partition 4P, the fp32
+    # parameter staging partition 4P and temp_grad_buffer_for_cpu_offload 4Lₜ, all pinned and always live
+    ledger = _ledger(study, zero_stage=2, offload_optimizer="cpu", micro_batch_size=4)
+    assert ledger.training_host_share_bytes == (4 + 8 + 4 + 4) * 60_288 + 4 * 16_384
+    on_gpu = dataclasses.replace(ledger, device_is_host=False)
+    assert on_gpu.training_host_share_bytes == 0
