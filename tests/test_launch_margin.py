@@ -25,6 +25,7 @@ from optimizer.ordering import (
     PRIOR_MARGIN_CPU,
     StudyModels,
     launchable,
+    memory_family,
     memory_group,
     study_models,
 )
@@ -136,6 +137,26 @@ def test_a_whole_need_miss_counts_in_its_own_family_only(seed):
     other = _models(seed, **earned, family_under=(("z2-optcpu-pnone", 0.0),))
     assert not _launchable(_on(seed, budget=31_200_000_000 - 1), other)
     assert _launchable(_on(seed, budget=31_200_000_000), other)
+
+
+def test_stage0_fp32_samples_earn_nothing_for_mixed_precision(repo_root):
+    # cpu-tiny: two ZeRO-0 fp32 runs measured as predicted earn their family the 3 % floor; ZeRO-0 bf16 steps
+    # through FP16_Optimizer (a flat fp32 master, fp32 gradient copies: other items) and keeps the 10 % prior.
+    tiny = load_study(repo_root / "studies" / "cpu-tiny.yaml")
+    base = baseline_candidate(tiny.training)
+    assert base.zero_stage is ZeroStage.DISABLED and base.precision is Precision.FP32
+    trials = [_frozen(base, measured=100_000, predicted=100_000, estimated=40_000),
+              _frozen(replace(base, micro_batch_size=4), measured=100_000, predicted=100_000, estimated=50_000)]
+    models = study_models(spec=tiny, trials=trials, base=base)
+    assert dict(models.family_under) == {"z0-optnone-pnone": 0.0}
+    bf16 = replace(base, precision=Precision.BF16)
+    need = evaluate(candidate=bf16, model=tiny.model, hardware=tiny.hardware,
+                    training=tiny.training).ledger.training_needed_bytes
+    assert _launchable(_on(tiny, budget=math.ceil(need * 1.1)), models, bf16)
+    assert not _launchable(_on(tiny, budget=math.ceil(need * 1.1) - 1), models, bf16)
+    # From stage 1 on fp32 training keeps an fp32 master partition too: one family across precisions.
+    z2 = replace(base, zero_stage=ZeroStage.GRADIENTS)
+    assert memory_family(z2) == memory_family(replace(z2, precision=Precision.BF16)) == "z2-optnone-pnone"
 
 
 def test_a_calibrated_group_keeps_the_floor_of_its_calibrated_need(seed):
