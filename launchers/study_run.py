@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import optuna
 
+from launchers.progress import Progress, ProgressMode
 from launchers.trial import reference_key, reference_losses, run_trial, trial_dir_for
 from optimizer.coordination import (
     CREATED_ATTR,
     LEASE_REFRESH_S,
-    WORKER_ATTR,
     SetupLease,
     budget_spent,
     now_utc,
@@ -89,24 +89,6 @@ def counts(study: optuna.Study, *, trials: list[optuna.trial.FrozenTrial] | None
         "failed": sum(1 for t in trials if t.state is TrialState.FAIL),
         "running": sum(1 for t in trials if t.state is TrialState.RUNNING),
     }
-
-
-def _progress(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
-    c = counts(study)
-    knobs = frozen.user_attrs.get("candidate", frozen.params)
-    what = frozen.state.name.lower()
-    if frozen.state is TrialState.PRUNED:
-        what += f" ({frozen.user_attrs.get('pruned_reason', '')[:70]})"
-    elif frozen.state is TrialState.FAIL:
-        what += f" ({frozen.user_attrs.get('outcome', 'error')})"
-    elif frozen.values:
-        what += f" {frozen.values[0] / 1e6:.2f} MB, {frozen.values[1]:,.0f} tokens/s"
-    best = study.best_trials
-    fastest = max(best, key=lambda t: t.values[1]) if best else None
-    best_text = f"fastest feasible #{fastest.number} {fastest.values[1]:,.0f} tokens/s" if fastest else "none yet"
-    print(f"[{frozen.user_attrs.get(WORKER_ATTR, '?')} trial {frozen.number}] {what} {knobs} | measured "
-          f"{c['measured']} reused {c['reused']} pruned {c['pruned']} held {c['held']} failed {c['failed']} "
-          f"running {c['running']} | best: {best_text}", file=sys.stderr, flush=True)
 
 
 def _say(worker: str, text: str) -> None:
@@ -172,14 +154,14 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
               runner: Callable[[Candidate, list[float]], TrialResult] | None = None,
               parallel: bool = False, reference: Callable[[], list[float]] | None = None,
               sampler: optuna.samplers.BaseSampler | None = None,
-              gpus: Sequence[str] | None = None) -> optuna.Study:
+              gpus: Sequence[str] | None = None, progress: ProgressMode = ProgressMode.HUMAN) -> optuna.Study:
     """Create or join the study on ``storage`` and run trials until a limit is reached (module doc).
 
     ``parallel`` (``dsopt worker``): other workers may share the storage, so SQLite is refused.
     ``runner`` and ``reference`` replace the real launches (the search-efficiency benchmark replays recorded
     measurements through them); ``sampler`` replaces Optuna's default (TPE) sampler. ``gpus`` is this worker's
     slice of its node's GPUs (:func:`launchers.trial.check_devices`), used by every launch including the
-    reference; None: every GPU the process sees.
+    reference; None: every GPU the process sees. ``progress``: what it prints (:mod:`launchers.progress`).
     """
     from launchers.trace import with_traced_activations  # torch: only once a study runs
 
@@ -196,6 +178,7 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
                          reference=reference or (lambda: reference_losses(spec, gpus=gpus)))
 
     def launch(candidate: Candidate) -> TrialResult:
+        report.started(candidate)
         if runner is not None:
             return runner(candidate, losses)
         step = predicted_speed(candidate, spec=spec, models=current[0])  # calibrated once trials are measured
@@ -210,6 +193,19 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
                             for c in spec.search_space.candidates(base))
                 if v.ledger is not None and in_space(v.candidate, space)]
     current = [study_models(spec=spec, trials=[], base=base)]
+    report = Progress(progress, base=base, target=n_trials, worker=worker)
+    try:
+        _loop(study, spec=spec, space=space, gate=gate, base=base, verdicts=verdicts, current=current,
+              report=report, launch=launch, fail_stale=fail_stale, n_trials=n_trials, timeout_s=timeout_s)
+    finally:
+        report.close()
+    return study
+
+
+def _loop(study: optuna.Study, *, spec: StudySpec, space: Branches, gate: LaunchGate, base: Candidate,
+          verdicts: list, current: list[StudyModels], report: Progress, launch: Callable[[Candidate], TrialResult],
+          fail_stale: Callable[[optuna.Study], None] | None, n_trials: int | None, timeout_s: float | None) -> None:
+    """Run trials until a stop reason (module doc)."""
     objective = make_objective(spec=spec, space=space, runner=launch, gate=gate, models=lambda: current[0],
                                artifact_dir=lambda candidate: str(trial_dir_for(spec, candidate)))
     start = time.monotonic()
@@ -229,19 +225,18 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
                             elapsed_s=time.monotonic() - start, timeout_s=timeout_s, held=held)
         if stop is WAIT:
             if not announced_wait:
-                _say(worker, WAIT.text)
+                report.say(WAIT.text)
                 announced_wait = True
             time.sleep(WAIT_S)
             continue
         if stop is not None:
-            _say(worker, f"stopping: {stop.text}")
+            report.say(f"stopping: {stop.text}")
             break
         announced_wait = False
         if ran % EXPLORE_EVERY != EXPLORE_EVERY - 1:  # every third trial is the sampler's own choice
             _guide(study, spec=spec, space=space, trials=trials, models=current[0], verdicts=verdicts)
-        study.optimize(objective, n_trials=1, catch=(TrialFailed,), callbacks=[_progress])
+        study.optimize(objective, n_trials=1, catch=(TrialFailed,), callbacks=[report.finished])
         ran += 1
-    return study
 
 
 def _refresh_models(study: optuna.Study, *, spec: StudySpec, trials: list[optuna.trial.FrozenTrial],

@@ -231,12 +231,14 @@ def _runnable_study(path: str, *, slot: WorkerSlot | None = None) -> tuple[Study
 def _run(study: StudySpec, storage: str, args: argparse.Namespace, *, parallel: bool,
          gpus: tuple[str, ...] | None) -> int:
     """``dsopt study run`` and ``dsopt worker``: run, then one summary line."""
+    from launchers.progress import ProgressMode
     from launchers.study_run import counts, run_study
     from launchers.trial import ReferenceFailed
 
+    mode = ProgressMode.JSONL if args.jsonl else ProgressMode.QUIET if args.quiet else ProgressMode.HUMAN
     try:
         result = run_study(spec=study, storage=storage, n_trials=args.n_trials, timeout_s=args.timeout,
-                           parallel=parallel, gpus=gpus)
+                           parallel=parallel, gpus=gpus, progress=mode)
     except ReferenceFailed as failed:
         print(f"dsopt: {failed}; see {study.output_dir / 'reference' / 'log.txt'}", file=sys.stderr)
         return 1
@@ -246,11 +248,21 @@ def _run(study: StudySpec, storage: str, args: argparse.Namespace, *, parallel: 
         return 130
     c = counts(result)
     who = " (all workers)" if parallel else ""
+    summary = sys.stderr if mode is ProgressMode.JSONL else sys.stdout  # stdout: the records only
     print(f"study {study.name}{who}: {c['measured']} measured, {c['reused']} reused, {c['pruned']} pruned by the "
           f"ledger, {c['held']} held by the launch margin, {c['failed']} failed, {c['running']} running; feasible "
-          f"Pareto front: {len(result.best_trials)} trial(s)")
-    print(f"storage: {redact(storage)}")
+          f"Pareto front: {len(result.best_trials)} trial(s)", file=summary)
+    print(f"storage: {redact(storage)}", file=summary)
     return 0
+
+
+def _progress_flags(parser: argparse.ArgumentParser) -> None:
+    """``--quiet`` / ``--jsonl``: what a running study prints (launchers/progress.py)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--quiet", action="store_true", help="no line per trial: only when the worker waits or "
+                       "stops, errors, and the summary")
+    group.add_argument("--jsonl", action="store_true", help="one JSON object per finished trial on stdout (for "
+                       "scripts); everything else on stderr")
 
 
 def _study_run(args: argparse.Namespace) -> int:
@@ -496,6 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     study_run.add_argument("--storage", default=None,
                            help="Optuna storage URL (default: sqlite file under studies/NAME/)")
     study_run.set_defaults(run=_study_run)
+    _progress_flags(study_run)
     worker = sub.add_parser("worker", help="join a study on a shared storage and run trials until its budget "
                             "is spent")
     worker.add_argument("study", help="study file")
@@ -507,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "node's GPUs when several workers share it: GPUs K*g..K*g+g-1 of those visible (g = "
                         "hardware.gpus_per_node), K from 0; K/N also checks that N workers fit (default: "
                         "$SLURM_LOCALID inside an srun step, else 0)")
+    _progress_flags(worker)
     worker.set_defaults(run=_worker)
     slurm = sub.add_parser("slurm", help="run the study's workers as a SLURM job array")
     slurm_sub = slurm.add_subparsers(dest="slurm_command", required=True)
