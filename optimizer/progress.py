@@ -46,13 +46,13 @@ def trial_summary(frozen: optuna.trial.FrozenTrial, *, base: Candidate, on_front
 
 def trial_line(summary: dict[str, Any]) -> str:
     """One line for a person (module doc)."""
-    head = f"#{summary['trial']:<3} {summary['label']:<32}"
+    head = f"#{summary['trial']:<3} {summary['label']:<34}"
     if summary["memory_bytes"] is not None:
         front = "  ✓ front" if summary["on_front"] else ""
         reused = "  (reused)" if summary["status"] == "reused" else ""
         return (f"{head} {summary['memory_bytes'] / 1e6:6.2f} MB  {summary['tokens_per_s']:>10,.0f} tok/s"
                 f"{front}{reused}")
-    reason = " ".join(str(summary["reason"]).split())
+    reason = " ".join(str(summary["reason"]).split()).removeprefix(f"{summary['status']}: ")
     if len(reason) > REASON_CHARS:
         reason = reason[:REASON_CHARS - 1] + "…"
     return f"{head} {summary['status']}" + (f": {reason}" if reason else "")

@@ -48,12 +48,12 @@ def test_pruned_held_failed_and_reused_trials_say_why(tiny):
     knobs = base.knobs()
     pruned = _trial(optuna.trial.TrialState.PRUNED, candidate=knobs,
                     pruned_reason="does not fit: GPU needs 3.43 MB of 3.00 MB")
-    held = _trial(optuna.trial.TrialState.PRUNED, candidate=knobs, held=True, pruned_reason="x" * 200)
+    held = _trial(optuna.trial.TrialState.PRUNED, candidate=knobs, held=True, pruned_reason="held: " + "x" * 200)
     failed = _trial(optuna.trial.TrialState.FAIL, candidate=knobs, outcome="oom", message="measured 3.137 MB")
     reused = _trial(optuna.trial.TrialState.COMPLETE, values=[1e6, 5.0], candidate=knobs, reused_from=3)
     lines = [trial_line(trial_summary(t, base=base, on_front=False)) for t in (pruned, held, failed, reused)]
     assert lines[0].endswith("pruned: does not fit: GPU needs 3.43 MB of 3.00 MB")
-    assert " held: " in lines[1] and lines[1].endswith("…") and len(lines[1].split(": ", 1)[1]) == 80
+    assert " held: x" in lines[1] and lines[1].endswith("…") and len(lines[1].split(": ", 1)[1]) == 80
     assert lines[2].endswith("oom: measured 3.137 MB")
     assert lines[3].endswith("(reused)")
     assert {trial_summary(t, base=base, on_front=False)["status"] for t in (pruned, held, failed, reused)} == \
