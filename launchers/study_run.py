@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import optuna
 
+from launchers.artifacts import default_store_dir, uploader
 from launchers.progress import Progress, ProgressMode
 from launchers.trial import reference_key, reference_losses, run_trial, trial_dir_for
 from optimizer.coordination import (
@@ -207,7 +208,8 @@ def _loop(study: optuna.Study, *, spec: StudySpec, space: Branches, gate: Launch
           fail_stale: Callable[[optuna.Study], None] | None, n_trials: int | None, timeout_s: float | None) -> None:
     """Run trials until a stop reason (module doc)."""
     objective = make_objective(spec=spec, space=space, runner=launch, gate=gate, models=lambda: current[0],
-                               artifact_dir=lambda candidate: str(trial_dir_for(spec, candidate)))
+                               artifact_dir=lambda candidate: str(trial_dir_for(spec, candidate)),
+                               after_launch=uploader(default_store_dir(spec.output_dir), warn=report.say))
     start = time.monotonic()
     ran = 0
     announced_wait = False

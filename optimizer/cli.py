@@ -375,6 +375,28 @@ def _pareto(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dashboard(args: argparse.Namespace) -> int:
+    """``dsopt dashboard``: optuna-dashboard on the study's storage, with its trials' files (launchers/artifacts.py)."""
+    from optuna.artifacts import FileSystemArtifactStore
+
+    from launchers.artifacts import default_store_dir
+
+    study = load_study(args.study)
+    stored = _stored(study, args.storage)  # readable, never created
+    try:
+        from optuna_dashboard import run_server
+    except ImportError:
+        raise UserError(source="dsopt dashboard", key="optuna-dashboard",
+                        why="not installed: pip install 'dsopt[dashboard]' (or optuna-dashboard)") from None
+    folder = default_store_dir(study.output_dir)
+    store = FileSystemArtifactStore(folder) if folder.is_dir() else None
+    print(f"dsopt: optuna-dashboard for study {study.name} at http://{args.host}:{args.port}/ (storage "
+          f"{redact(args.storage or str(study.output_dir / 'study.db'))}; trial files "
+          f"{folder if store else 'none yet'}); Ctrl-C stops it", flush=True)
+    run_server(stored._storage, host=args.host, port=args.port, artifact_store=store)  # the opened storage
+    return 0
+
+
 def _trace(args: argparse.Namespace) -> int:
     from launchers.trace import trace_rows
 
@@ -547,6 +569,13 @@ def build_parser() -> argparse.ArgumentParser:
     pareto.add_argument("--storage", default=None, help="Optuna storage URL (default: the study's sqlite file)")
     pareto.add_argument("--out", default=None, help="output folder (default: studies/NAME/)")
     pareto.set_defaults(run=_pareto)
+    dashboard = sub.add_parser("dashboard", help="optuna-dashboard on the study's storage, with each trial's "
+                               "DeepSpeed JSON, result and log tail (pip install 'dsopt[dashboard]')")
+    dashboard.add_argument("study", help="study file")
+    dashboard.add_argument("--storage", default=None, help="Optuna storage URL (default: the study's sqlite file)")
+    dashboard.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    dashboard.add_argument("--port", type=_positive_int, default=8080, help="port (default 8080)")
+    dashboard.set_defaults(run=_dashboard)
     trace = sub.add_parser("trace", help="activations of the study's own model on fake tensors, beside the formula")
     trace.add_argument("study", help="study file with a transformer-mode model")
     trace.add_argument("--json", action="store_true", help="print JSON (integer bytes)")

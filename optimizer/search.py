@@ -220,11 +220,14 @@ class LaunchGate:
 def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candidate], TrialResult],
                    artifact_dir: Callable[[Candidate], str] | None = None,
                    gate: LaunchGate | None = None,
-                   models: Callable[[], StudyModels | None] | None = None) -> Callable[[optuna.Trial], tuple]:
+                   models: Callable[[], StudyModels | None] | None = None,
+                   after_launch: Callable[[optuna.Trial], None] | None = None) -> Callable[[optuna.Trial], tuple]:
     """The objective: invalid → prune; measured already → reuse; predicted not to fit → prune; then the launch
     gate, then a real trial (``runner``).
 
-    ``artifact_dir`` names where a launched trial keeps its files (recorded as the ``trial_dir`` attribute).
+    ``artifact_dir`` names where a launched trial keeps its files (recorded as the ``trial_dir`` attribute);
+    ``after_launch`` is called with the trial, still running, once its launch returned (ok or not): the
+    artifact upload (:mod:`launchers.artifacts`; a finished trial can take no artifact).
     A trial that finds the budget spent is PRUNED with ``budget_stop`` set. ``models`` gives the study's
     calibrated models (:mod:`optimizer.ordering`): pruning then uses the calibrated memory prediction.
     """
@@ -235,6 +238,7 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
         candidate = sample_candidate(trial, space, base)
         key = candidate_key(candidate)
         trial.set_user_attr("candidate", candidate.knobs())
+        trial.set_user_attr("label", candidate.label())  # what the dashboard and the progress lines show
         trial.set_user_attr("candidate_key", key)
         trial.set_user_attr(WORKER_ATTR, gate.worker)
         verdict = evaluate(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training)
@@ -283,6 +287,8 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
             failed.append({"outcome": result.outcome.value, "message": result.message[-300:], "wall_s": result.wall_s})
             trial.set_user_attr("failed_attempts", failed)
             result = runner(candidate)
+        if after_launch is not None:
+            after_launch(trial)
         trial.set_user_attr("attempts", len(failed) + 1)
         trial.set_user_attr("outcome", result.outcome.value)
         trial.set_user_attr("wall_s", result.wall_s)
