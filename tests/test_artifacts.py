@@ -25,7 +25,8 @@ def tiny(repo_root, tmp_path):
     return load_study(tmp_path / "cpu-tiny.yaml")
 
 
-def test_every_launched_trial_has_its_config_result_and_log_tail_in_the_store(tiny, tmp_path):
+def _studied(tiny) -> optuna.Study:
+    """Four trials of cpu-tiny through run_study, each launch writing what a real one writes in its folder."""
     def runner(candidate, _reference):
         folder = trial_dir_for(tiny, candidate)
         folder.mkdir(parents=True, exist_ok=True)
@@ -37,9 +38,12 @@ def test_every_launched_trial_has_its_config_result_and_log_tail_in_the_store(ti
         return TrialResult(outcome=Outcome.OK, ranks=(rank,), step_time_s=0.1, tokens_per_s=1000.0,
                            loss_fidelity=0.0, losses=(5.0,))
 
-    storage = f"sqlite:///{tiny.output_dir / 'study.db'}"
-    study = run_study(spec=tiny, storage=storage, n_trials=4, timeout_s=None, runner=runner,
-                      reference=lambda: [5.0], progress=ProgressMode.QUIET)
+    return run_study(spec=tiny, storage=f"sqlite:///{tiny.output_dir / 'study.db'}", n_trials=4, timeout_s=None,
+                     runner=runner, reference=lambda: [5.0], progress=ProgressMode.QUIET)
+
+
+def test_every_launched_trial_has_its_config_result_and_log_tail_in_the_store(tiny, tmp_path):
+    study = _studied(tiny)
     store = FileSystemArtifactStore(default_store_dir(tiny.output_dir))
     launched = [t for t in study.trials if t.state is optuna.trial.TrialState.COMPLETE
                 and "reused_from" not in t.user_attrs]
@@ -56,3 +60,45 @@ def test_every_launched_trial_has_its_config_result_and_log_tail_in_the_store(ti
     for trial in study.trials:
         if trial not in launched:  # pruned, held or reused: launched nothing, uploaded nothing
             assert get_all_artifact_meta(trial, storage=study._storage) == []
+
+
+def test_dsopt_dashboard_serves_the_study_its_labels_and_a_trials_files(tiny):
+    pytest.importorskip("optuna_dashboard")
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    _studied(tiny)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dsopt = Path(sys.executable).parent / "dsopt"
+    server = subprocess.Popen([str(dsopt), "dashboard", str(tiny.path), "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                studies = json.loads(urllib.request.urlopen(f"{base}/api/studies", timeout=2).read())
+                break
+            except OSError:
+                time.sleep(0.2)
+        else:
+            pytest.fail("the dashboard did not answer")
+        (summary,) = studies["study_summaries"]
+        assert summary["study_name"] == tiny.name
+        detail = json.loads(urllib.request.urlopen(f"{base}/api/studies/{summary['study_id']}?after=0",
+                                                   timeout=5).read())
+        assert detail["best_trials"]  # the Pareto front the dashboard draws
+        trial = next(t for t in detail["trials"] if t["artifacts"])
+        labels = {a["key"]: a["value"] for a in trial["user_attrs"]}
+        config = next(a for a in trial["artifacts"] if a["filename"] == "ds_config.json")
+        served = urllib.request.urlopen(f"{base}/artifacts/{summary['study_id']}/{trial['trial_id']}/"
+                                        f"{config['artifact_id']}", timeout=5).read()
+        assert json.loads(served) == {"label": labels["label"]}
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
