@@ -14,15 +14,15 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from optimizer import cli_results
 from optimizer.errors import EXIT_USER_ERROR, UserError
 from optimizer.knobs import KNOB_NAMES, Candidate, parse_knob
 from optimizer.ledger import evaluate
 from optimizer.ledger_report import all_json, all_table, ledger_json, ledger_table, throughput_lines
 from optimizer.specs import SeedModel, TransformerModel, baseline_candidate
-from optimizer.storage import check_shared_storage, load_stored_study, redact
+from optimizer.storage import check_shared_storage, redact
 from optimizer.study_file import StudySpec, load_study
 from optimizer.throughput import StepTime, predict_candidate
 from optimizer.transformer import parameter_count
@@ -147,7 +147,7 @@ def _ledger_calibrated(study: StudySpec, args: argparse.Namespace) -> int:
     if isinstance(study.model, SeedModel):
         raise UserError(source=str(study.path), key="model.kind", why="calibration needs measured trials of a "
                         "transformer-mode model")
-    stored = _stored(study, args.storage)
+    stored = cli_results.stored_study(study, args.storage)
     trials = stored.get_trials(deepcopy=False)
     models = study_models(spec=study, trials=trials, base=baseline_candidate(study.training))
     print(calibration_table(spec=study, trials=trials, models=models))
@@ -328,75 +328,6 @@ def _slurm_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stored(study: StudySpec, storage: str | None):
-    return load_stored_study(name=study.name, default_path=study.output_dir / "study.db", storage=storage,
-                             study_path=study.path)
-
-
-def _export(args: argparse.Namespace) -> int:
-    from optimizer.export import construction_advice, export_text, exported_config, write_atomically
-    from optimizer.pareto import pick_trial
-
-    study = load_study(args.study)
-    stored = _stored(study, args.storage)
-    trial = pick_trial(stored, args.pick)
-    config = exported_config(spec=study, knobs=trial.user_attrs["candidate"], hf=args.hf)
-    out = Path(args.out) if args.out else study.output_dir / f"ds_config.{args.pick.replace('=', '')}" \
-        f"{'.hf' if args.hf else ''}.json"
-    write_atomically(out, export_text(config), force=args.force)
-    attrs = trial.user_attrs
-    print(f"picked trial #{trial.number} ({args.pick}): {attrs.get('candidate')}")
-    print(f"measured: training memory {trial.values[0] / 1e6:.3f} MB per device (10^6 bytes), "
-          f"{trial.values[1]:,.0f} tokens/s, "
-          f"loss fidelity {attrs.get('loss_fidelity', float('nan')):.1e}"
-          + (f" (reused from trial #{attrs['reused_from']})" if "reused_from" in attrs else ""))
-    kind = "Hugging Face Trainer variant: batch sizes and optimizer params = auto" if args.hf else "DeepSpeed config"
-    print(f"wrote {out} ({kind}; validated by DeepSpeed's parser)")
-    print(construction_advice(spec=study, knobs=attrs["candidate"]))
-    return 0
-
-
-def _pareto(args: argparse.Namespace) -> int:
-    from optimizer.pareto import front_table
-    from optimizer.pareto_plot import write_html, write_png
-
-    study = load_study(args.study)
-    stored = _stored(study, args.storage)
-    out = Path(args.out) if args.out else study.output_dir
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(source="--out", key=str(out), why=f"cannot create the folder: {err.strerror}") from None
-    budget = study.hardware.gpu_memory_bytes
-    print(front_table(stored, budget_bytes=budget))
-    png = write_png(stored, out / "pareto.png", budget_bytes=budget)
-    html = write_html(stored, out / "pareto.html", budget_bytes=budget)
-    print(f"wrote {png} and {html}")
-    return 0
-
-
-def _dashboard(args: argparse.Namespace) -> int:
-    """``dsopt dashboard``: optuna-dashboard on the study's storage, with its trials' files (launchers/artifacts.py)."""
-    from optuna.artifacts import FileSystemArtifactStore
-
-    from launchers.artifacts import default_store_dir
-
-    study = load_study(args.study)
-    stored = _stored(study, args.storage)  # readable, never created
-    try:
-        from optuna_dashboard import run_server
-    except ImportError:
-        raise UserError(source="dsopt dashboard", key="optuna-dashboard",
-                        why="not installed: pip install 'dsopt[dashboard]' (or optuna-dashboard)") from None
-    folder = default_store_dir(study.output_dir)
-    store = FileSystemArtifactStore(folder) if folder.is_dir() else None
-    print(f"dsopt: optuna-dashboard for study {study.name} at http://{args.host}:{args.port}/ (storage "
-          f"{redact(args.storage or str(study.output_dir / 'study.db'))}; trial files "
-          f"{folder if store else 'none yet'}); Ctrl-C stops it", flush=True)
-    run_server(stored._storage, host=args.host, port=args.port, artifact_store=store)  # the opened storage
-    return 0
-
-
 def _trace(args: argparse.Namespace) -> int:
     from launchers.trace import trace_rows
 
@@ -563,19 +494,19 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", default=None, help="output path (default: studies/NAME/ds_config.PICK.json)")
     export.add_argument("--force", action="store_true", help="overwrite an existing file")
     export.add_argument("--hf", action="store_true", help="Hugging Face Trainer variant (batch sizes = auto)")
-    export.set_defaults(run=_export)
+    export.set_defaults(run=cli_results.export)
     pareto = sub.add_parser("pareto", help="print the Pareto front and write pareto.png / pareto.html")
     pareto.add_argument("study", help="study file")
     pareto.add_argument("--storage", default=None, help="Optuna storage URL (default: the study's sqlite file)")
     pareto.add_argument("--out", default=None, help="output folder (default: studies/NAME/)")
-    pareto.set_defaults(run=_pareto)
+    pareto.set_defaults(run=cli_results.pareto)
     dashboard = sub.add_parser("dashboard", help="optuna-dashboard on the study's storage, with each trial's "
                                "DeepSpeed JSON, result and log tail (pip install 'dsopt[dashboard]')")
     dashboard.add_argument("study", help="study file")
     dashboard.add_argument("--storage", default=None, help="Optuna storage URL (default: the study's sqlite file)")
     dashboard.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     dashboard.add_argument("--port", type=_positive_int, default=8080, help="port (default 8080)")
-    dashboard.set_defaults(run=_dashboard)
+    dashboard.set_defaults(run=cli_results.dashboard)
     trace = sub.add_parser("trace", help="activations of the study's own model on fake tensors, beside the formula")
     trace.add_argument("study", help="study file with a transformer-mode model")
     trace.add_argument("--json", action="store_true", help="print JSON (integer bytes)")
