@@ -33,11 +33,11 @@ from pathlib import Path
 
 from launchers.inventory import with_inventory
 from launchers.trace import trace_rows, with_traced_activations
-from optimizer.knobs import with_knobs
-from optimizer.ledger import compute_ledger
-from optimizer.specs import ActivationSource, baseline_candidate
-from optimizer.study_file import load_study
-from optimizer.transformer import layer_terms
+from optimizer.ledger.core import compute_ledger
+from optimizer.ledger.transformer import layer_terms
+from optimizer.study.knobs import with_knobs
+from optimizer.study.specs import ActivationSource, baseline_candidate
+from optimizer.study.study_file import load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = (ROOT / "benchmarks" / "data" / "grid-cpu.json", ROOT / "benchmarks" / "data" / "grid-llama-cpu.json",

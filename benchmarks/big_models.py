@@ -4,7 +4,7 @@
 
 Pure computation (no GPU, no process; DeepSpeed is imported only for its two estimators). Each model × hardware
 row judges 36 candidates — zero_stage 0–3 × offload_optimizer × offload_param (none/cpu/nvme), the device's
-16-bit precision, full checkpointing, micro-batch 1, global batch = ranks — with :func:`optimizer.ledger.evaluate`,
+16-bit precision, full checkpointing, micro-batch 1, global batch = ranks — with :func:`optimizer.ledger.core.evaluate`,
 and the script prints a one-line header, a markdown table, then one line per disagreement. GB = 10^9 bytes.
 
 Hardware (NVIDIA DGX datasheets; assumptions, not measured): DGX-2 = 16 × V100 SXM3 32 GB, 1.5 TB RAM, 30 TB NVMe
@@ -37,11 +37,12 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from optimizer.knobs import Candidate, with_knobs
-from optimizer.ledger import Category, Ledger, Location, Phase, Verdict, evaluate
-from optimizer.ledger_items import TRANSIENT_PHASES, LedgerItem
-from optimizer.search_space import parse_search_space
-from optimizer.specs import (
+from optimizer.ledger.core import Category, Ledger, Location, Phase, Verdict, evaluate
+from optimizer.ledger.items import TRANSIENT_PHASES, LedgerItem
+from optimizer.ledger.transformer import largest_layer_parameters, parameter_count
+from optimizer.study.knobs import Candidate, with_knobs
+from optimizer.study.search_space import parse_search_space
+from optimizer.study.specs import (
     AttentionKind,
     HardwareSpec,
     MlpKind,
@@ -54,8 +55,7 @@ from optimizer.specs import (
     TransformerModel,
     baseline_candidate,
 )
-from optimizer.transformer import largest_layer_parameters, parameter_count
-from optimizer.units import GB, GiB
+from optimizer.study.units import GB, GiB
 
 INFINITY_SHARE = 1_000_000_000_000 // 16
 """ZeRO-Infinity: 1T parameters on one DGX-2 (16 V100) → parameters per V100."""

@@ -10,7 +10,7 @@ row: the ledger's training and init peaks per GPU against the measured ones (all
 training's from the first step after ``deepspeed.initialize``), tokens/s, fp16 overflow steps (skipped and
 replayed, not timed) and the loss fidelity against the FP32 reference. Then the fastest ZeRO-3 Llama
 candidate (else the fastest) is exported with ``--hf`` and trained under the Hugging Face Trainer
-(``launchers/hf_trainer_rank.py``), which must build it partitioned at stage 3 and train a falling loss.
+(``launchers/workloads/hf_trainer_rank.py``), which must build it partitioned at stage 3 and train a falling loss.
 
 ``--dry-run`` runs it all on 2 CPU ranks (``DS_ACCELERATOR=cpu``) with tiny shapes and bf16 only (fp16 rows
 are kept: DeepSpeed's CPU accelerator refuses fp16 on most CPUs, which the row records as ``unsupported``);
@@ -39,12 +39,12 @@ sys.path.insert(0, str(ROOT))
 
 from launchers.local import LAUNCH_ID_VAR, LaunchPlan, execute, extensions_dir, log_tail  # noqa: E402
 from launchers.trial import ReferenceFailed, reference_losses, run_trial  # noqa: E402
-from optimizer.export import exported_config  # noqa: E402
-from optimizer.knobs import with_knobs  # noqa: E402
-from optimizer.ledger import compute_ledger  # noqa: E402
-from optimizer.specs import baseline_candidate  # noqa: E402
-from optimizer.study_file import StudySpec, load_study  # noqa: E402
-from optimizer.trial_result import Outcome, TrialResult  # noqa: E402
+from optimizer.ledger.core import compute_ledger  # noqa: E402
+from optimizer.results.export import exported_config  # noqa: E402
+from optimizer.results.trial_result import Outcome, TrialResult  # noqa: E402
+from optimizer.study.knobs import with_knobs  # noqa: E402
+from optimizer.study.specs import baseline_candidate  # noqa: E402
+from optimizer.study.study_file import StudySpec, load_study  # noqa: E402
 
 MB = 10**6
 GPT = {"kind": "transformer", "layers": 12, "hidden_size": 768, "heads": 12, "vocab_size": 32000,
@@ -129,7 +129,7 @@ def _hf_trainer(folder: Path, study: StudySpec, knobs: dict[str, Any], *, dry: b
     out = folder / "hf_trainer.json"
     argv = (sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(ranks),
             "--master_addr", "127.0.0.1", "--master_port", str(29600 + os.getpid() % 1000),
-            "-m", "launchers.hf_trainer_rank", "--ds-config", str(config_path),
+            "-m", "launchers.workloads.hf_trainer_rank", "--ds-config", str(config_path),
             "--hf-config", str(folder / "llama.config.json"), "--precision", precision,
             "--micro-batch", str(study.training.micro_batch_size), "--sequence-length",
             str(study.training.sequence_length), "--steps", "5", "--out", str(out), *(["--cpu"] if dry else []))

@@ -36,12 +36,12 @@ from record_grid import machine  # noqa: E402
 from launchers.inventory import with_inventory  # noqa: E402
 from launchers.trace import with_traced_activations  # noqa: E402
 from launchers.trial import run_trial  # noqa: E402
-from optimizer.knobs import with_knobs  # noqa: E402
-from optimizer.ledger import compute_ledger  # noqa: E402
-from optimizer.specs import ActivationSource, baseline_candidate  # noqa: E402
-from optimizer.study_file import StudySpec, load_study  # noqa: E402
-from optimizer.trial_result import Outcome  # noqa: E402
-from optimizer.versions import installed_versions  # noqa: E402
+from optimizer.deepspeed.versions import installed_versions  # noqa: E402
+from optimizer.ledger.core import compute_ledger  # noqa: E402
+from optimizer.results.trial_result import Outcome  # noqa: E402
+from optimizer.study.knobs import with_knobs  # noqa: E402
+from optimizer.study.specs import ActivationSource, baseline_candidate  # noqa: E402
+from optimizer.study.study_file import StudySpec, load_study  # noqa: E402
 
 RECORDED = ROOT / "benchmarks" / "data" / "families"
 

@@ -3,8 +3,9 @@
 A built-in GPT of a few hundred million parameters (default 24 × 1024, vocab 8192: 311 M) is trained for three
 steps on 2 CPU ranks with real DeepSpeed, at ZeRO-3 (zero.Init, with and without parameter offload, and built
 whole for contrast) and at ZeRO-2 in bf16 (built on the device in bf16, and built whole in FP32). Each trial's
-rank reports give the construction's peak and the init phase's peak (live tensors, :mod:`launchers.cpu_memory`);
-the ledger gives its prediction of both (:mod:`optimizer.init_ledger`). Prints one markdown table.
+rank reports give the construction's peak and the init phase's peak (live tensors,
+:mod:`launchers.workloads.cpu_memory`);
+the ledger gives its prediction of both (:mod:`optimizer.ledger.init_phase`). Prints one markdown table.
 
     .venv/bin/python benchmarks/init_scale.py [--layers 24 --hidden 1024 --vocab 8192] [--cases scale|every]
     .venv/bin/python benchmarks/init_scale.py --layers 4 --hidden 256 --vocab 4096 --cases every  # 4.2 M, ~8 min
@@ -28,13 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from launchers.trial import run_trial  # noqa: E402
-from optimizer.knobs import with_knobs  # noqa: E402
-from optimizer.ledger import compute_ledger  # noqa: E402
-from optimizer.model_states import construction_bytes  # noqa: E402
-from optimizer.specs import baseline_candidate  # noqa: E402
-from optimizer.study_file import StudySpec, load_study  # noqa: E402
-from optimizer.transformer import parameter_count, zero3_partition_elements  # noqa: E402
-from optimizer.trial_result import Outcome  # noqa: E402
+from optimizer.ledger.core import compute_ledger  # noqa: E402
+from optimizer.ledger.model_states import construction_bytes  # noqa: E402
+from optimizer.ledger.transformer import parameter_count, zero3_partition_elements  # noqa: E402
+from optimizer.results.trial_result import Outcome  # noqa: E402
+from optimizer.study.knobs import with_knobs  # noqa: E402
+from optimizer.study.specs import baseline_candidate  # noqa: E402
+from optimizer.study.study_file import StudySpec, load_study  # noqa: E402
 
 CASES = (
     ("auto", {"zero_stage": 3}),

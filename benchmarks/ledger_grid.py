@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from optimizer.ledger import evaluate
-from optimizer.specs import baseline_candidate
-from optimizer.study_file import load_study
+from optimizer.ledger.core import evaluate
+from optimizer.study.specs import baseline_candidate
+from optimizer.study.study_file import load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -30,9 +30,9 @@ from pathlib import Path
 
 from launchers.trace import with_traced_activations
 from launchers.trial import check_devices, reference_losses, run_trial
-from optimizer.ledger import evaluate
-from optimizer.specs import baseline_candidate
-from optimizer.study_file import load_study
+from optimizer.ledger.core import evaluate
+from optimizer.study.specs import baseline_candidate
+from optimizer.study.study_file import load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 

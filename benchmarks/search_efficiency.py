@@ -56,16 +56,16 @@ import optuna
 
 from launchers.study_run import run_study
 from launchers.trace import with_traced_activations
-from optimizer.knobs import Candidate, Precision, ZeroStage, parse_knob
-from optimizer.ledger import evaluate
-from optimizer.ordering import candidate_of, study_models
-from optimizer.search import branches, sample_candidate
-from optimizer.specs import baseline_candidate
-from optimizer.study_file import StudySpec, load_study
-from optimizer.throughput import StepTime, predict, work
-from optimizer.transformer import activation_estimate, parameter_count
-from optimizer.trial_result import Outcome, RankMeasurement, TrialResult
-from optimizer.units import parse_bytes
+from optimizer.ledger.core import evaluate
+from optimizer.ledger.transformer import activation_estimate, parameter_count
+from optimizer.perf.throughput import StepTime, predict, work
+from optimizer.results.trial_result import Outcome, RankMeasurement, TrialResult
+from optimizer.search.objective import branches, sample_candidate
+from optimizer.search.ordering import candidate_of, study_models
+from optimizer.study.knobs import Candidate, Precision, ZeroStage, parse_knob
+from optimizer.study.specs import baseline_candidate
+from optimizer.study.study_file import StudySpec, load_study
+from optimizer.study.units import parse_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.98
@@ -134,7 +134,7 @@ class Run:
 
 def as_result(grid: Grid, entry: dict) -> TrialResult:
     """A recorded measurement as the TrialResult a launch returned: the run's own outcome and measurements —
-    whether a measured peak is over the budget is for the study to judge (optimizer.search.over_budget), as it
+    whether a measured peak is over the budget is for the study to judge (optimizer.search.objective.over_budget), as it
     does for a real launch on CPU ranks."""
     if entry["outcome"] != "ok":
         return TrialResult(outcome=Outcome(entry["outcome"]), message="replay")

@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 
 from launchers.trace import TraceResult, trace
-from optimizer.knobs import Precision, parse_checkpointing
-from optimizer.specs import TransformerModel
-from optimizer.transformer import activation_estimate
+from optimizer.ledger.transformer import activation_estimate
+from optimizer.study.knobs import Precision, parse_checkpointing
+from optimizer.study.specs import TransformerModel
 
 SPEC = {"layers": 24, "hidden_size": 2048, "heads": 16, "kv_heads": 16, "ffn_size": 8192, "vocab_size": 50257,
         "tied_embeddings": True, "attention": "eager", "mlp": "gelu", "norm": "layernorm", "bias": True,

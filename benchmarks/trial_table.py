@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 
 from launchers.trial import check_devices, reference_losses, run_trial
-from optimizer.knobs import with_knobs
-from optimizer.ledger import compute_ledger
-from optimizer.specs import baseline_candidate
-from optimizer.study_file import load_study
-from optimizer.trial_report import trial_json
+from optimizer.ledger.core import compute_ledger
+from optimizer.results.trial_report import trial_json
+from optimizer.study.knobs import with_knobs
+from optimizer.study.specs import baseline_candidate
+from optimizer.study.study_file import load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SETS = ["zero_stage=0", "zero_stage=1", "zero_stage=2", "zero_stage=3", "zero_stage=2,precision=bf16",

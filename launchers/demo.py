@@ -13,10 +13,10 @@ from pathlib import Path
 import optuna
 
 from launchers.study_run import counts, default_storage, run_study
-from optimizer.export import export_text, exported_config, write_atomically
-from optimizer.pareto import pick_trial
-from optimizer.pareto_plot import write_html, write_png
-from optimizer.study_file import StudySpec
+from optimizer.results.export import export_text, exported_config, write_atomically
+from optimizer.results.pareto import pick_trial
+from optimizer.results.pareto_plot import write_html, write_png
+from optimizer.study.study_file import StudySpec
 
 DEMO_STUDY = Path(__file__).resolve().parents[1] / "studies" / "demo-cpu.yaml"
 

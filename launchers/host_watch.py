@@ -1,4 +1,4 @@
-"""The launcher's watch on host memory while a trial's ranks run: the facts :mod:`optimizer.host_oom` reads.
+"""The launcher's watch on host memory while a trial's ranks run: the facts :mod:`optimizer.results.host_oom` reads.
 
 :class:`HostWatch` wraps one launch. Before and after it reads the kernel's OOM-kill counter — of the
 launcher's memory cgroup (v2 ``memory.events``, v1 ``memory.oom_control``: ``oom_kill``), else the system's
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from optimizer.host_oom import HostMemoryEvidence
+from optimizer.results.host_oom import HostMemoryEvidence
 
 SAMPLE_EVERY_S = 0.2
 """Seconds between host-memory samples (a read of two or three small ``/proc``/cgroup files)."""

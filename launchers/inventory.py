@@ -1,4 +1,4 @@
-"""The parameter inventory of the study's model, taken from the model itself (:mod:`optimizer.inventory`).
+"""The parameter inventory of the study's model, taken from the model itself (:mod:`optimizer.ledger.inventory`).
 
 The model — a ``transformers`` config (``model.hf_config``: ``AutoModelForCausalLM.from_config``, as trials build
 it) or a ``model.entry_point`` — is built on ``FakeTensorMode`` (meta-backed tensors: shapes and dtypes, nothing
@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from launchers.json_cache import JsonFileCache
-from optimizer.errors import UserError, error_summary
-from optimizer.inventory import InventoryTensor, ParameterInventory, inventory_key
-from optimizer.specs import TransformerModel
-from optimizer.study_file import StudySpec
-from optimizer.versions import installed_versions
+from optimizer.deepspeed.versions import installed_versions
+from optimizer.ledger.inventory import InventoryTensor, ParameterInventory, inventory_key
+from optimizer.study.errors import UserError, error_summary
+from optimizer.study.specs import TransformerModel
+from optimizer.study.study_file import StudySpec
 
 
 class InventoryFailed(RuntimeError):
@@ -61,7 +61,7 @@ def inventory_of(model: nn.Module, *, source: str) -> ParameterInventory:
 
 
 def _inner(model: nn.Module) -> nn.Module:
-    """A transformers model wrapped by :class:`launchers.hf_model.HfCausalLM` (its loss head), unwrapped."""
+    """A transformers model wrapped by :class:`launchers.workloads.hf_model.HfCausalLM` (its loss head), unwrapped."""
     return getattr(model, "inner", model)
 
 
@@ -106,7 +106,7 @@ def _build_entry_point(model_spec: dict[str, Any], *, sequence_length: int) -> t
     tensors. What it prints goes to stderr (stdout may carry ``--json``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from launchers.workload import load_entry_point
+    from launchers.workloads.builtin import load_entry_point
 
     name = model_spec["entry_point"]
     try:
@@ -133,7 +133,7 @@ def take_inventory(model_spec: dict[str, Any], *, sequence_length: int) -> Param
     its parameters; :class:`InventoryFailed` when it cannot be built that way."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from launchers.workload import build_model
+    from launchers.workloads.builtin import build_model
 
     versions = installed_versions()
     try:

@@ -72,7 +72,7 @@ def build_launch_plan(
     gpus: Sequence[str] | None = None,
     cpus_per_task: int | None = None,
 ) -> LaunchPlan:
-    """The launch plan for ``ranks`` ranks per node running ``launchers.trial_rank`` (pure).
+    """The launch plan for ``ranks`` ranks per node running ``launchers.workloads.trial_rank`` (pure).
 
     One node: torchrun with a static master on loopback. Several nodes (``nodes`` > 1, inside a SLURM
     allocation): ``srun`` starts one torchrun agent per node (``--ntasks-per-node=1``) and the agents meet
@@ -91,7 +91,7 @@ def build_launch_plan(
     ``gpus`` (GPU ranks only) becomes ``CUDA_VISIBLE_DEVICES``: the worker's slice of the node
     (:func:`launchers.node_share.gpu_slice`); None leaves the environment's. CPU ranks see no GPU.
     """
-    trial_args = ("-m", "launchers.trial_rank", str(plan_path), str(out_dir))
+    trial_args = ("-m", "launchers.workloads.trial_rank", str(plan_path), str(out_dir))
     node_cpus = cpu_count if nodes == 1 else (cpus_per_task or cpu_count)
     if nodes == 1:
         argv: tuple[str, ...] = (

@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from optimizer.errors import UserError
+from optimizer.study.errors import UserError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 """Where the cgroup v2 hierarchy is mounted (the process's own cgroup inside a cgroup namespace)."""

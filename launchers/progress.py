@@ -1,7 +1,7 @@
 """How a running study reports: ``human`` (one line per finished trial on stderr, and on a terminal a live
 status line kept at the bottom with tqdm), ``quiet`` (only what the worker says when it starts waiting or
 stops, and errors) or ``jsonl`` (one JSON object per finished trial on stdout, for scripts; nothing else on
-stdout). The lines' format is :mod:`optimizer.progress`'s.
+stdout). The lines' format is :mod:`optimizer.results.progress`'s.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, TextIO
 
 import optuna
 
-from optimizer.knobs import Candidate
-from optimizer.progress import eta_s, status_text, trial_line, trial_summary
+from optimizer.results.progress import eta_s, status_text, trial_line, trial_summary
+from optimizer.study.knobs import Candidate
 
 
 class ProgressMode(StrEnum):

@@ -24,17 +24,17 @@ from pathlib import Path
 
 import optuna
 
-from optimizer.coordination import WORKER_ATTR, now_utc
-from optimizer.errors import UserError
-from optimizer.specs import Accelerator
-from optimizer.storage import (
+from optimizer.search.coordination import WORKER_ATTR, now_utc
+from optimizer.search.storage import (
     allows_parallel_workers,
     check_readable,
     open_storage,
     redact,
     storage_error,
 )
-from optimizer.study_file import StudySpec
+from optimizer.study.errors import UserError
+from optimizer.study.specs import Accelerator
+from optimizer.study.study_file import StudySpec
 
 STORAGE_VAR = "DSOPT_STORAGE"
 """Environment variable carrying the storage URL to the workers (and read by ``dsopt`` when no --storage)."""
@@ -189,7 +189,7 @@ def job_lines(spec: StudySpec) -> list[str]:
 
 def load_for_status(spec: StudySpec, storage: str) -> optuna.Study:
     """The shared study for ``dsopt slurm status``; UserError if it is not there (yet). Reading never creates a
-    journal file, an SQLite file or Optuna's tables (:func:`optimizer.storage.check_readable`)."""
+    journal file, an SQLite file or Optuna's tables (:func:`optimizer.search.storage.check_readable`)."""
     check_readable(storage)  # opening with Optuna would create the file or the tables; the first worker does
     try:
         return optuna.load_study(study_name=spec.name, storage=open_storage(storage, workers=spec.workers))

@@ -1,6 +1,7 @@
 """Run a study — one process (``dsopt study run``) or one of many workers (``dsopt worker``).
 
-The glue between :mod:`optimizer.search` (pure Optuna logic), :mod:`optimizer.coordination` (shared-storage
+The glue between :mod:`optimizer.search.objective` (pure Optuna logic), :mod:`optimizer.search.coordination`
+(shared-storage
 rules) and :mod:`launchers.trial` (the launches). A worker:
 
 1. opens the storage and creates or joins the study;
@@ -29,7 +30,9 @@ import optuna
 from launchers.artifacts import default_store_dir, uploader
 from launchers.progress import Progress, ProgressMode
 from launchers.trial import reference_key, reference_losses, run_trial, trial_dir_for
-from optimizer.coordination import (
+from optimizer.ledger.core import evaluate
+from optimizer.results.trial_result import TrialResult
+from optimizer.search.coordination import (
     CREATED_ATTR,
     LEASE_REFRESH_S,
     SetupLease,
@@ -37,18 +40,7 @@ from optimizer.coordination import (
     now_utc,
     worker_id,
 )
-from optimizer.knobs import Candidate
-from optimizer.ledger import evaluate
-from optimizer.ordering import (
-    CALIBRATION_ATTR,
-    EXPLORE_EVERY,
-    StudyModels,
-    calibrated_verdict_fits,
-    launchable,
-    predicted_speed,
-    study_models,
-)
-from optimizer.search import (
+from optimizer.search.objective import (
     Branches,
     LaunchGate,
     TrialFailed,
@@ -62,10 +54,19 @@ from optimizer.search import (
     open_study,
     seed_study,
 )
-from optimizer.specs import baseline_candidate
-from optimizer.storage import StorageKind, check_shared_storage, storage_kind
-from optimizer.study_file import StudySpec
-from optimizer.trial_result import TrialResult
+from optimizer.search.ordering import (
+    CALIBRATION_ATTR,
+    EXPLORE_EVERY,
+    StudyModels,
+    calibrated_verdict_fits,
+    launchable,
+    predicted_speed,
+    study_models,
+)
+from optimizer.search.storage import StorageKind, check_shared_storage, storage_kind
+from optimizer.study.knobs import Candidate
+from optimizer.study.specs import baseline_candidate
+from optimizer.study.study_file import StudySpec
 
 TrialState = optuna.trial.TrialState
 WAIT_S = 2.0

@@ -4,8 +4,8 @@ PyTorch's ``FakeTensorMode`` runs the model without allocating memory (shapes, d
 ``torch.distributed._tools.mem_tracker.MemTracker`` attributes every tensor it sees to parameters,
 gradients, activations (``ACT``: made in forward or in a recomputation) or temporaries (``TEMP``: made in
 backward, e.g. activation gradients). So a 1B-parameter model traces in seconds on a machine without a GPU.
-The model is the built-in GPT (:mod:`launchers.workload`), the ``transformers`` model of ``model.hf_config``
-(:mod:`launchers.hf_model`) or the study's entry point, built directly in the training dtype (bf16/fp16 as
+The model is the built-in GPT (:mod:`launchers.workloads.builtin`), the ``transformers`` model of ``model.hf_config``
+(:mod:`launchers.workloads.hf_model`) or the study's entry point, built directly in the training dtype (bf16/fp16 as
 DeepSpeed casts it, fp32 otherwise).
 
 What the ledger takes from a trace is the **high-water mark of activations + temporaries** over forward and
@@ -35,15 +35,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from launchers.fake_kernels import grouped_mm_for_fake_tensors
 from launchers.json_cache import JsonFileCache
 from launchers.trace_depth import shallow_specs, trace_by_depth
-from optimizer.constraints import invalid_reasons
-from optimizer.knobs import Precision, parse_checkpointing, with_knobs
-from optimizer.specs import TracedActivation, TransformerModel, baseline_candidate
-from optimizer.study_file import StudySpec
-from optimizer.zero3_gather import gathered
-from optimizer.zero_settings import gather_settings
+from launchers.workloads.fake_kernels import grouped_mm_for_fake_tensors
+from optimizer.deepspeed.zero_settings import gather_settings
+from optimizer.ledger.constraints import invalid_reasons
+from optimizer.ledger.zero3_gather import gathered
+from optimizer.study.knobs import Precision, parse_checkpointing, with_knobs
+from optimizer.study.specs import TracedActivation, TransformerModel, baseline_candidate
+from optimizer.study.study_file import StudySpec
 
 DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 TRACE_FORMAT = 6
@@ -92,7 +92,7 @@ class TraceResult:
     """The same at moments once some gradient exists (``working_segments`` is the larger of the two)."""
     zero3_gathered_elements: int = 0
     """The most parameter elements ZeRO-3 would keep gathered at once over this step: DeepSpeed's coordinator
-    replayed over the traced module order (:mod:`optimizer.zero3_gather`)."""
+    replayed over the traced module order (:mod:`optimizer.ledger.zero3_gather`)."""
     zero3_gathered_after_forward: int = 0
     """Of those, what is gathered when forward ends."""
     notes: tuple[str, ...] = ()
@@ -261,7 +261,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
     :func:`launchers.trial.model_dict` of the study's model (its ``entry_point`` and ``hf_config`` included)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from launchers.workload import build_model, decoder_blocks, load_entry_point
+    from launchers.workloads.builtin import build_model, decoder_blocks, load_entry_point
 
     previous = torch.get_default_dtype()
     notes: list[str] = []
@@ -310,7 +310,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
 def _zero3_gathered(model: nn.Module, modules: list[nn.Module], events: list[tuple[str, int]],
                     model_spec: dict[str, Any]) -> tuple[int, int]:
     """(most, after forward) parameter elements ZeRO-3 keeps gathered over this traced step, with the sizes
-    dsopt sets for the model (:mod:`optimizer.zero3_gather`)."""
+    dsopt sets for the model (:mod:`optimizer.ledger.zero3_gather`)."""
     if not model_spec.get("hidden_size"):
         return 0, 0  # the sizes dsopt sets come from the width
     index = {id(p): i for i, p in enumerate(model.parameters())}
@@ -379,7 +379,7 @@ def cached_trace(*, cache: Path | None, model_spec: dict[str, Any], checkpointin
 def traced_activation(*, cache: TraceCache | Path | None, model_spec: dict[str, Any], checkpointing: str,
                       precision: Precision, sequence_length: int, micro_batches: tuple[int, ...],
                       parameters: int | None = None) -> TracedActivation:
-    """The ledger's entry: a trace at each of ``micro_batches`` (:class:`optimizer.specs.TracedActivation`),
+    """The ledger's entry: a trace at each of ``micro_batches`` (:class:`optimizer.study.specs.TracedActivation`),
     from shallow copies of the model when they extend to its ``parameters`` (:meth:`TraceCache.trace_model`)."""
     store = cache if isinstance(cache, TraceCache) else TraceCache(cache)
     points, joints, splits, phase, notes, zero3 = [], [], [], "backward", (), 0
@@ -399,7 +399,7 @@ def traced_activation(*, cache: TraceCache | Path | None, model_spec: dict[str, 
 
 def traceable_options(study: StudySpec) -> list[tuple[str, Precision]]:
     """(checkpointing, precision) pairs a trial could run: the study's space and its FP32 baseline, less what
-    :func:`optimizer.constraints.invalid_reasons` refuses (an unsupported precision, selective recompute of a
+    :func:`optimizer.ledger.constraints.invalid_reasons` refuses (an unsupported precision, selective recompute of a
     transformers model, every_K past the last block)."""
     values = dict(study.search_space.values)
     base = baseline_candidate(study.training)
@@ -426,7 +426,7 @@ def with_traced_activations(study: StudySpec, *, warn: Callable[[str], None] | N
     come back as they are.
     """
     from launchers.trial import model_dict
-    from optimizer.transformer import parameter_count
+    from optimizer.ledger.transformer import parameter_count
 
     model = study.model
     if not isinstance(model, TransformerModel) or not model.wants_trace or model.traced_activations:
@@ -461,7 +461,7 @@ def trace_rows(*, study: StudySpec, cache: Path | None = None) -> list[dict[str,
     beside the formula, split into what the blocks keep and what is kept outside them (embeddings, final
     norm, logits, loss)."""
     from launchers.trial import model_dict
-    from optimizer.transformer import activation_estimate, head_terms, parameter_count
+    from optimizer.ledger.transformer import activation_estimate, head_terms, parameter_count
 
     model = study.model
     spec = model_dict(model)

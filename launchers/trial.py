@@ -1,9 +1,9 @@
-"""One candidate in, one classified and measured :class:`~optimizer.trial_result.TrialResult` out.
+"""One candidate in, one classified and measured :class:`~optimizer.results.trial_result.TrialResult` out.
 
 Writes everything a trial used and produced under its folder (``studies/<name>/trials/<candidate>/``):
 ``ds_config.json`` (the builder's output, as launched), ``plan.json`` (what the ranks were told),
 ``log.txt`` (the launcher's and ranks' output), ``rank<r>.json`` (each rank's report) and
-``result.json`` (the result, the library versions it ran under — :func:`optimizer.versions.installed_versions`
+``result.json`` (the result, the library versions it ran under — :func:`optimizer.deepspeed.versions.installed_versions`
 — and what :class:`launchers.host_watch.HostWatch` saw of host memory, from which a launch the kernel's OOM
 killer ended is ``oom_host``, not ``crash``). Loss fidelity compares against the study's FP32 reference
 run — the baseline candidate (ZeRO 0, fp32, no checkpointing, the study's micro-batch) on the same global
@@ -31,17 +31,17 @@ from typing import Any
 from launchers.host_watch import HostWatch
 from launchers.local import LAUNCH_ID_VAR, build_launch_plan, execute, extensions_dir, free_port, log_tail
 from launchers.node_share import WorkerSlot, gpu_slice, read_cpu_allowance, visible_gpus, worker_slot
-from optimizer.constraints import invalid_reasons
-from optimizer.coordination import now_utc, worker_id
-from optimizer.ds_config import build_ds_config
-from optimizer.errors import UserError
-from optimizer.knobs import Candidate, FullCheckpointing, OffloadDevice, ZeroStage
-from optimizer.ledger import evaluate
-from optimizer.specs import Accelerator, TransformerModel, baseline_candidate
-from optimizer.study_file import StudySpec
-from optimizer.throughput import predict_candidate
-from optimizer.trial_result import Outcome, TrialResult, summarize
-from optimizer.versions import installed_versions, warn_deepspeed_mismatch
+from optimizer.deepspeed.config import build_ds_config
+from optimizer.deepspeed.versions import installed_versions, warn_deepspeed_mismatch
+from optimizer.ledger.constraints import invalid_reasons
+from optimizer.ledger.core import evaluate
+from optimizer.perf.throughput import predict_candidate
+from optimizer.results.trial_result import Outcome, TrialResult, summarize
+from optimizer.search.coordination import now_utc, worker_id
+from optimizer.study.errors import UserError
+from optimizer.study.knobs import Candidate, FullCheckpointing, OffloadDevice, ZeroStage
+from optimizer.study.specs import Accelerator, TransformerModel, baseline_candidate
+from optimizer.study.study_file import StudySpec
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
@@ -171,7 +171,7 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
     ``ds_config`` replaces the built config (e.g. to train with an exported JSON file as it is);
     ``slurm_nodes`` packs a multi-node trial onto fewer SLURM nodes (tests on a one-node cluster); ``step_s`` is
     the predicted step time the launch's limit follows (default: the hardware profile's, :func:`predicted_step_s`;
-    a study passes its calibrated prediction) — see :meth:`~optimizer.specs.TrialSettings.timeout_for`;
+    a study passes its calibrated prediction) — see :meth:`~optimizer.study.specs.TrialSettings.timeout_for`;
     ``gpus`` is this worker's GPU slice (:func:`check_devices`; None: every GPU the process sees). The ranks'
     threads follow the CPUs this process may really use (:func:`launchers.node_share.read_cpu_allowance`).
     """
@@ -287,7 +287,8 @@ def reference_candidate(study: StudySpec) -> Candidate:
 
 def reference_key(study: StudySpec, *, versions: Mapping[str, str | None] | None = None) -> str:
     """Everything that determines the reference losses, hashed — the library versions included
-    (``versions``, default :func:`optimizer.versions.installed_versions`: torch, DeepSpeed, transformers, dsopt),
+    (``versions``, default :func:`optimizer.deepspeed.versions.installed_versions`: torch, DeepSpeed,
+    transformers, dsopt),
     so that a reference measured under other versions is run again, not served."""
     plan = rank_plan(study=study, candidate=reference_candidate(study))
     payload = {"plan": plan, "ranks": study.hardware.gpus_per_node, "accelerator": str(study.hardware.accelerator),

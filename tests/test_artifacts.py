@@ -15,8 +15,8 @@ from launchers.artifacts import LOG_TAIL_CHARS, default_store_dir
 from launchers.progress import ProgressMode
 from launchers.study_run import run_study
 from launchers.trial import trial_dir_for
-from optimizer.study_file import load_study
-from optimizer.trial_result import Outcome, RankMeasurement, TrialResult
+from optimizer.results.trial_result import Outcome, RankMeasurement, TrialResult
+from optimizer.study.study_file import load_study
 
 
 @pytest.fixture

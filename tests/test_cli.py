@@ -123,7 +123,8 @@ def test_console_script_exit_code(seed_study_path, tmp_path):
 
 def test_the_ledger_imports_neither_torch_nor_deepspeed():
     code = (
-        "import sys; import optimizer.cli, optimizer.ledger, optimizer.model_states, optimizer.study_file; "
+        "import sys; import optimizer.cli, optimizer.ledger.core, optimizer.ledger.model_states, "
+        "optimizer.study.study_file; "
         "bad = [m for m in ('torch', 'deepspeed') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

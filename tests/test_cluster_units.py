@@ -34,9 +34,9 @@ from launchers.node_share import (
 )
 from launchers.slurm import sbatch_script
 from optimizer.cli import main
-from optimizer.errors import UserError
-from optimizer.storage import StorageKind, allows_parallel_workers, redact, storage_kind
-from optimizer.study_file import load_study
+from optimizer.search.storage import StorageKind, allows_parallel_workers, redact, storage_kind
+from optimizer.study.errors import UserError
+from optimizer.study.study_file import load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "studies" / "cluster-cpu.yaml"
@@ -202,7 +202,7 @@ def test_multi_node_plan_uses_srun_and_c10d_rendezvous():
         "--export=ALL", "--job-name=dsopt-trial-01234567",
         "py", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
         "--rdzv_backend", "c10d", "--rdzv_endpoint", "node07:29500", "--rdzv_id", "0123456789abcdef",
-        "-m", "launchers.trial_rank", "/t/p.json", "/t",
+        "-m", "launchers.workloads.trial_rank", "/t/p.json", "/t",
     )
     assert plan.env["OMP_NUM_THREADS"] == "8"
 

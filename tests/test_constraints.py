@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from optimizer.constraints import gradient_accumulation_steps, invalid_reasons
-from optimizer.knobs import Precision, with_knobs
-from optimizer.ledger import InvalidCandidate, compute_ledger, evaluate
-from optimizer.specs import (
+from optimizer.ledger.constraints import gradient_accumulation_steps, invalid_reasons
+from optimizer.ledger.core import InvalidCandidate, compute_ledger, evaluate
+from optimizer.study.knobs import Precision, with_knobs
+from optimizer.study.specs import (
     Accelerator,
     HardwareSpec,
     SeedModel,

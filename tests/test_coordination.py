@@ -1,4 +1,4 @@
-"""The shared-storage rules (optimizer/coordination.py) on a real Optuna storage, no DeepSpeed."""
+"""The shared-storage rules (optimizer/search/coordination.py) on a real Optuna storage, no DeepSpeed."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from datetime import UTC, datetime, timedelta
 import optuna
 import pytest
 
-from optimizer.cluster_settings import BudgetSettings
-from optimizer.coordination import (
+from optimizer.search.coordination import (
     CLAIM_ATTR,
     ClaimOutcome,
     SetupLease,
@@ -21,6 +20,7 @@ from optimizer.coordination import (
     running_elsewhere,
     try_claim,
 )
+from optimizer.study.cluster_settings import BudgetSettings
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

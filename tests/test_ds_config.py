@@ -7,12 +7,12 @@ import os
 
 import pytest
 
-from optimizer.ds_config import build_ds_config
-from optimizer.ds_validate import InvalidDeepSpeedConfig, validate_with_deepspeed
-from optimizer.knobs import with_knobs
-from optimizer.ledger import compute_ledger, evaluate
-from optimizer.specs import baseline_candidate
-from optimizer.study_file import load_study
+from optimizer.deepspeed.config import build_ds_config
+from optimizer.deepspeed.validate import InvalidDeepSpeedConfig, validate_with_deepspeed
+from optimizer.ledger.core import compute_ledger, evaluate
+from optimizer.study.knobs import with_knobs
+from optimizer.study.specs import baseline_candidate
+from optimizer.study.study_file import load_study
 
 GOLDEN = {
     "gpt2-tiny-cpu": [

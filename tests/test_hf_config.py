@@ -1,4 +1,4 @@
-"""Hugging Face configs as models (optimizer/hf_config.py, study_file): the shape they give, and every bad one
+"""Hugging Face configs as models (optimizer/study/hf_config.py, study_file): the shape they give, and every bad one
 refused naming the file and the key, exit 2."""
 
 from __future__ import annotations
@@ -10,12 +10,19 @@ from pathlib import Path
 import pytest
 
 from optimizer.cli import main
-from optimizer.errors import UserError
-from optimizer.knobs import with_knobs
-from optimizer.ledger import evaluate
-from optimizer.specs import ActivationSource, MlpKind, NormKind, PositionKind, TransformerModel, baseline_candidate
-from optimizer.study_file import load_study
-from optimizer.transformer import parameter_count
+from optimizer.ledger.core import evaluate
+from optimizer.ledger.transformer import parameter_count
+from optimizer.study.errors import UserError
+from optimizer.study.knobs import with_knobs
+from optimizer.study.specs import (
+    ActivationSource,
+    MlpKind,
+    NormKind,
+    PositionKind,
+    TransformerModel,
+    baseline_candidate,
+)
+from optimizer.study.study_file import load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,7 +109,7 @@ def test_selective_checkpointing_is_invalid_for_a_transformers_model(tmp_path):
         # Shape errors name the config's own key, not the study's (kv_heads, hidden_size):
         ({"num_key_value_heads": 3}, "num_key_value_heads", "do not divide 32 heads"),
         ({"num_attention_heads": 30}, "num_attention_heads", "does not divide hidden_size 4096"),
-        # Counts beyond any real model (optimizer/limits.py), refused before anything is built:
+        # Counts beyond any real model (optimizer/study/limits.py), refused before anything is built:
         ({"num_hidden_layers": 10**6}, "num_hidden_layers", "beyond any real layer count"),
         ({"intermediate_size": 10**9}, "intermediate_size", "beyond any real MLP width"),
         ({"vocab_size": 10**9}, "vocab_size", "beyond any real vocabulary"),
@@ -148,8 +155,8 @@ def test_the_candidates_dtype_wins_over_the_configs(tmp_path, dtype_key):
     pytest.importorskip("transformers")
     import torch
 
-    from launchers.hf_model import build_hf_model
     from launchers.trial import model_dict
+    from launchers.workloads.hf_model import build_hf_model
 
     tiny = json.loads((ROOT / "studies" / "llama-tiny-cpu.config.json").read_text())
     config = {**tiny, dtype_key: "float16"}

@@ -14,8 +14,8 @@ transformers = pytest.importorskip("transformers")
 
 from launchers.inventory import with_inventory  # noqa: E402
 from optimizer.cli import main  # noqa: E402
-from optimizer.study_file import load_study  # noqa: E402
-from optimizer.transformer import largest_layer_parameters, parameter_count  # noqa: E402
+from optimizer.ledger.transformer import largest_layer_parameters, parameter_count  # noqa: E402
+from optimizer.study.study_file import load_study  # noqa: E402
 
 FAMILIES_FILE = Path(__file__).with_name("data") / "hf_families.json"
 """Each family's tiny config and what is distinctive about it (also read by benchmarks/hf_families.py)."""
@@ -85,7 +85,7 @@ def test_the_families_shape_keys_are_read_through_transformers(tmp_path):
     ({"hidden_size": "64"}, "model_type", "hidden_size"),  # transformers' validator: field and reason both said
 ])
 def test_a_bad_value_in_another_familys_config_names_it(tmp_path, change, key, needle):
-    from optimizer.errors import UserError
+    from optimizer.study.errors import UserError
 
     with pytest.raises(UserError) as info:
         load_study(_study(tmp_path, {**FAMILIES["qwen2"], **change}))
@@ -93,7 +93,7 @@ def test_a_bad_value_in_another_familys_config_names_it(tmp_path, change, key, n
 
 
 def test_a_model_without_attention_heads_is_refused_saying_so(tmp_path):
-    from optimizer.errors import UserError
+    from optimizer.study.errors import UserError
 
     mamba = {"model_type": "mamba", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "state_size": 8}
     with pytest.raises(UserError) as info:

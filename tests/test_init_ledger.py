@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 import yaml
 
-from optimizer.errors import UserError
-from optimizer.knobs import FullCheckpointing, OffloadDevice, Precision, ZeroStage
-from optimizer.ledger import Phase, compute_ledger, evaluate
-from optimizer.search_space import parse_search_space
-from optimizer.specs import Construction, ModelInit, baseline_candidate, construction_for
-from optimizer.study_file import load_study
-from optimizer.transformer import parameter_count
+from optimizer.ledger.core import Phase, compute_ledger, evaluate
+from optimizer.ledger.transformer import parameter_count
+from optimizer.study.errors import UserError
+from optimizer.study.knobs import FullCheckpointing, OffloadDevice, Precision, ZeroStage
+from optimizer.study.search_space import parse_search_space
+from optimizer.study.specs import Construction, ModelInit, baseline_candidate, construction_for
+from optimizer.study.study_file import load_study
 
 
 def _with_init(study, model_init: str):
@@ -108,7 +108,7 @@ def test_full_construction_holds_the_fp32_model_on_the_host(repo_root):
 
 
 def test_the_launch_limit_follows_the_predicted_step():
-    from optimizer.specs import TrialSettings
+    from optimizer.study.specs import TrialSettings
 
     settings = TrialSettings(timeout_s=300.0, warmup_steps=2, measured_steps=3)
     assert settings.timeout_for(None) == 300.0  # no prediction: the floor
@@ -132,7 +132,7 @@ def test_a_big_models_fp32_reference_is_the_fastest_fitting_variant(repo_root):
 def test_zero_offload_papers_13b_on_one_v100_fits():
     """Ren et al. (ATC'21): a 13B model trains on one 32 GB V100 with ZeRO-2 and the optimizer on the CPU. The
     parameters do not fit twice on the device, so DeepSpeed flattens them on the host (stage_1_and_2.py:441-521)."""
-    from optimizer.specs import HardwareSpec, TrainingSpec, TransformerModel
+    from optimizer.study.specs import HardwareSpec, TrainingSpec, TransformerModel
 
     model = TransformerModel(layers=40, hidden_size=5120, heads=40, kv_heads=40, ffn_size=20480, vocab_size=50257,
                              max_positions=1024)

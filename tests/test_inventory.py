@@ -1,4 +1,4 @@
-"""The parameter inventory (optimizer/inventory.py, launchers/inventory.py): taken from the model itself on fake
+"""The parameter inventory (optimizer/ledger/inventory.py, launchers/inventory.py): taken from the model itself on fake
 tensors, equal to the hand layout where the layout is right, and what the ledger counts where it is not."""
 
 from __future__ import annotations
@@ -15,14 +15,11 @@ import yaml
 from launchers import inventory as inventory_module
 from launchers.inventory import inventory_of, take_inventory, with_inventory
 from launchers.trial import model_dict
-from launchers.workload import GPT
+from launchers.workloads.builtin import GPT
 from optimizer.cli import main
-from optimizer.inventory import InventoryTensor, ParameterInventory
-from optimizer.knobs import with_knobs
-from optimizer.ledger import compute_ledger
-from optimizer.specs import TransformerModel, baseline_candidate
-from optimizer.study_file import load_study
-from optimizer.transformer import (
+from optimizer.ledger.core import compute_ledger
+from optimizer.ledger.inventory import InventoryTensor, ParameterInventory
+from optimizer.ledger.transformer import (
     largest_layer_parameters,
     largest_tensor_parameters,
     layout_tensors,
@@ -30,6 +27,9 @@ from optimizer.transformer import (
     persistent_parameters,
     zero3_partition_elements,
 )
+from optimizer.study.knobs import with_knobs
+from optimizer.study.specs import TransformerModel, baseline_candidate
+from optimizer.study.study_file import load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {
@@ -118,7 +118,7 @@ def test_a_transformers_llama_counts_what_num_parameters_counts(tied):
 def _entry_point_study(tmp_path: Path, *, entry_point: str, module: str = "extra_workload") -> Path:
     (tmp_path / f"{module}.py").write_text(
         "import torch\n"
-        "from launchers.workload import GPT, SyntheticTokens\n\n"
+        "from launchers.workloads.builtin import GPT, SyntheticTokens\n\n"
         "class WithAdapter(torch.nn.Module):  # a user's module the shape does not describe\n"
         "    def __init__(self, spec):\n"
         "        super().__init__()\n"

@@ -1,4 +1,4 @@
-"""The launch policy (optimizer/ordering.py: StudyModels.margin_bytes, launchable): a fitting candidate is
+"""The launch policy (optimizer/search/ordering.py: StudyModels.margin_bytes, launchable): a fitting candidate is
 launched only with the margin free — a little of its need, plus a share of what the ledger *estimates*
 (activations, transient buffers), plus on a GPU the published 20 % until the study has measured — the
 margin earned from the study's own measurements; a held candidate is not final.
@@ -15,9 +15,18 @@ from dataclasses import replace
 import optuna
 import pytest
 
-from optimizer.knobs import OffloadDevice, Precision, ZeroStage, parse_checkpointing
-from optimizer.ledger import evaluate
-from optimizer.ordering import (
+from optimizer.ledger.core import evaluate
+from optimizer.perf.throughput import profile_rates
+from optimizer.results.trial_result import Outcome, RankMeasurement, TrialResult
+from optimizer.search.objective import (
+    DIRECTIONS,
+    TrialFailed,
+    branches,
+    candidate_key,
+    distribution_params,
+    make_objective,
+)
+from optimizer.search.ordering import (
     ESTIMATE_PRIOR,
     ESTIMATE_PRIOR_OFFLOADED,
     MIN_MARGIN,
@@ -29,11 +38,9 @@ from optimizer.ordering import (
     memory_group,
     study_models,
 )
-from optimizer.search import DIRECTIONS, TrialFailed, branches, candidate_key, distribution_params, make_objective
-from optimizer.specs import Accelerator, baseline_candidate
-from optimizer.study_file import load_study
-from optimizer.throughput import profile_rates
-from optimizer.trial_result import Outcome, RankMeasurement, TrialResult
+from optimizer.study.knobs import OffloadDevice, Precision, ZeroStage, parse_checkpointing
+from optimizer.study.specs import Accelerator, baseline_candidate
+from optimizer.study.study_file import load_study
 
 GB = 10**9
 NEED, ESTIMATED = 26 * GB, 8 * GB  # the seed's plain data parallel: 26 GB per GPU, 8 GB of them activations

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from optimizer.loss_scaling import StepKind, reference_indices, skip_allowance, step_kind
-from optimizer.trial_result import Outcome, loss_fidelity, summarize
+from optimizer.results.loss_scaling import StepKind, reference_indices, skip_allowance, step_kind
+from optimizer.results.trial_result import Outcome, loss_fidelity, summarize
 
 FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1}
 

@@ -7,7 +7,7 @@
   ``stage3.py: estimate_zero3_model_states_mem_needs``). Their source comment names the per-parameter terms
   (ZeRO-2: "2 = params_16bit, 18 = 2_grads_16bit + 4_grads_32bit + 4_params_32bit +
   8_optimizer_states_32bit"); each ledger item is compared with the estimator's figure for the term it holds.
-  What the estimators leave out (DeepSpeed allocates it, see optimizer/model_states.py) is bounded or
+  What the estimators leave out (DeepSpeed allocates it, see optimizer/ledger/model_states.py) is bounded or
   counted by hand, not re-derived with the ledger's formulas.
 
 The transformer below is chosen so that DeepSpeed's alignment changes nothing: Ψ is a multiple of 2N (no
@@ -20,11 +20,11 @@ import pytest
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-from optimizer.knobs import Candidate, NoCheckpointing, OffloadDevice, Precision, ZeroStage
-from optimizer.ledger import compute_ledger
-from optimizer.ledger_items import Category, Location, Phase
-from optimizer.specs import HardwareSpec, SeedModel, TrainingSpec, TransformerModel
-from optimizer.transformer import parameter_count
+from optimizer.ledger.core import compute_ledger
+from optimizer.ledger.items import Category, Location, Phase
+from optimizer.ledger.transformer import parameter_count
+from optimizer.study.knobs import Candidate, NoCheckpointing, OffloadDevice, Precision, ZeroStage
+from optimizer.study.specs import HardwareSpec, SeedModel, TrainingSpec, TransformerModel
 
 GB = 10**9
 GIB = 2**30

@@ -1,4 +1,4 @@
-"""Ordering and calibrated pruning (optimizer/ordering.py, optimizer/search.next_candidate) on synthetic trials.
+"""Ordering and calibrated pruning (optimizer/search/ordering.py, optimizer/search.next_candidate) on synthetic trials.
 
 Every expected order below is written out by hand, with the reason in a comment — never rebuilt with the
 ordering helpers under test.
@@ -13,12 +13,12 @@ import optuna
 import pytest
 import yaml
 
-from optimizer.ledger import evaluate
-from optimizer.ordering import calibrated_verdict_fits, memory_group, predicted_speed, study_models
-from optimizer.search import branches, candidate_key, distribution_params, next_candidate
-from optimizer.specs import baseline_candidate
-from optimizer.study_file import load_study
-from optimizer.throughput import StepTime
+from optimizer.ledger.core import evaluate
+from optimizer.perf.throughput import StepTime
+from optimizer.search.objective import branches, candidate_key, distribution_params, next_candidate
+from optimizer.search.ordering import calibrated_verdict_fits, memory_group, predicted_speed, study_models
+from optimizer.study.specs import baseline_candidate
+from optimizer.study.study_file import load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 TrialState = optuna.trial.TrialState
@@ -70,7 +70,7 @@ def _launch_order(spec) -> list[str]:
 
 
 # grid-cpu's tiny GPT on 2 CPU ranks with a 1 GB budget (everything fits); CPU ranks have no profile figures,
-# so the order is optimizer.search.promise's documented rule: no offload first, then no recomputation, then
+# so the order is optimizer.search.objective.promise's documented rule: no offload first, then no recomputation, then
 # the lower ZeRO stage, then 16-bit before fp32, then the larger micro-batch.
 PROMISE_KNOBS = {"zero_stage": [0, 1], "offload_optimizer": ["none", "cpu"], "precision": ["fp32", "bf16"],
                  "micro_batch_size": [1, 2]}
@@ -157,7 +157,7 @@ def test_calibrated_memory_never_prunes_a_measured_fit(grid):
     #   mbs 1: 2,800,000 / 2,000,000 = 1.4, fits (2.8 MB <= 3 MB): caps the factor at 3.0 / 2.0 = 1.5;
     #   mbs 2: over the budget (outcome oom), 3,500,000 / 2,500,000 = 1.4, no cap;
     #   mbs 4: 3,000,000 / 2,500,000 = 1.2, fits exactly: caps the factor at 3.0 / 2.5 = 1.2.
-    # Median ratio 1.4, lowered to the smallest cap: 1.2 (optimizer.calibration module doc).
+    # Median ratio 1.4, lowered to the smallest cap: 1.2 (optimizer.perf.calibration module doc).
     by_label = _by_label(grid)
     fit, over, tight = (by_label[f"z0 fp32 ckpt=none mbs={m}"] for m in (1, 2, 4))
     group = memory_group(tight.candidate)

@@ -1,11 +1,11 @@
-"""The drawn study (optimizer/pareto_plot.py): the budget line, labelled front points, a measured OOM where it
+"""The drawn study (optimizer/results/pareto_plot.py): the budget line, labelled front points, a measured OOM where it
 was measured, held and pruned candidates at their prediction."""
 
 from __future__ import annotations
 
 import optuna
 
-from optimizer.pareto_plot import _groups, budget_label, write_html, write_png
+from optimizer.results.pareto_plot import _groups, budget_label, write_html, write_png
 
 TrialState = optuna.trial.TrialState
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from optimizer.errors import UserError
-from optimizer.knobs import OffloadDevice, ZeroStage
-from optimizer.ledger import evaluate
-from optimizer.pareto import feasible_front, pick_trial
-from optimizer.search import (
+from optimizer.ledger.core import evaluate
+from optimizer.results.pareto import feasible_front, pick_trial
+from optimizer.results.trial_result import Outcome, RankMeasurement, TrialResult
+from optimizer.search.objective import (
     DIRECTIONS,
     TrialFailed,
     branches,
@@ -18,10 +17,11 @@ from optimizer.search import (
     make_objective,
     sample_candidate,
 )
-from optimizer.specs import baseline_candidate
-from optimizer.storage import connection_url, redact
-from optimizer.study_file import load_study
-from optimizer.trial_result import Outcome, RankMeasurement, TrialResult
+from optimizer.search.storage import connection_url, redact
+from optimizer.study.errors import UserError
+from optimizer.study.knobs import OffloadDevice, ZeroStage
+from optimizer.study.specs import baseline_candidate
+from optimizer.study.study_file import load_study
 
 
 @pytest.fixture
@@ -156,7 +156,7 @@ def test_a_run_measured_over_the_budget_is_an_oom_kept_as_data(repo_root):
     (FAIL, never on the front, reused, its memory and time fed to calibration); exactly the budget fits."""
     from dataclasses import replace
 
-    from optimizer.ordering import memory_group, study_models
+    from optimizer.search.ordering import memory_group, study_models
 
     spec = load_study(repo_root / "studies" / "cpu-tiny.yaml")
     base = baseline_candidate(spec.training)
@@ -193,9 +193,9 @@ def test_a_run_measured_over_the_budget_is_an_oom_kept_as_data(repo_root):
 def test_once_calibrated_a_candidate_the_time_model_cannot_predict_goes_first(repo_root):
     """Unknown speed (no figure: CPU ranks have no profile) ranks after known ones before calibration, before
     them after it: one launch teaches the model the missing figure."""
-    from optimizer.ordering import StudyModels
-    from optimizer.search import order_key
-    from optimizer.throughput import profile_rates
+    from optimizer.perf.throughput import profile_rates
+    from optimizer.search.objective import order_key
+    from optimizer.search.ordering import StudyModels
 
     def key(spec, samples):
         base = baseline_candidate(spec.training)

@@ -44,7 +44,7 @@ def test_autotuner_walk_tunes_only_stage_and_micro_batch(bench):
 
 
 # A grid small enough to judge by hand (per-rank budget of studies/grid-cpu.yaml: 3 MB = 3,000,000 bytes;
-# fidelity tolerances: fp32 1e-4, bf16 2e-2, optimizer.specs.TrialSettings). Device share = measured peak −
+# fidelity tolerances: fp32 1e-4, bf16 2e-2, optimizer.study.specs.TrialSettings). Device share = measured peak −
 # the ledger's host items (CPU ranks keep offloaded states in the same memory).
 HAND_GRID = [
     # label, outcome, measured peak, host items, loss fidelity, tokens/s

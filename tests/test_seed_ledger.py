@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from optimizer.knobs import with_knobs
-from optimizer.ledger import compute_ledger
-from optimizer.specs import baseline_candidate
-from optimizer.study_file import load_study
+from optimizer.ledger.core import compute_ledger
+from optimizer.study.knobs import with_knobs
+from optimizer.study.specs import baseline_candidate
+from optimizer.study.study_file import load_study
 
 GB = 10**9
 

@@ -96,9 +96,9 @@ def _umask() -> int:
 def test_study_files_resolve_and_non_utf8_is_refused(tmp_path, monkeypatch):
     import pytest
 
-    from optimizer.errors import UserError
-    from optimizer.study_file import load_study
-    from optimizer.units import parse_bytes
+    from optimizer.study.errors import UserError
+    from optimizer.study.study_file import load_study
+    from optimizer.study.units import parse_bytes
 
     path = _study(tmp_path)
     monkeypatch.chdir(tmp_path)

@@ -7,10 +7,10 @@ import textwrap
 import pytest
 
 from optimizer.cli import main
-from optimizer.errors import UserError
-from optimizer.knobs import Precision
-from optimizer.specs import SeedModel, TransformerModel
-from optimizer.study_file import load_study
+from optimizer.study.errors import UserError
+from optimizer.study.knobs import Precision
+from optimizer.study.specs import SeedModel, TransformerModel
+from optimizer.study.study_file import load_study
 
 GOOD = """
 name: tiny
@@ -86,7 +86,7 @@ def test_repository_studies_load(repo_root):
         ("  gpus_per_node: 2\n", "  gpus_per_node: 2\n  nvme_path: ''\n", "hardware.nvme_path", "non-empty"),
         ("  gpus_per_node: 2\n", "  gpus_per_node: 2\n  nvme_bandwidth: 0 GB/s\n", "hardware.nvme_bandwidth",
          "above 0"),
-        # Beyond any real model or device (optimizer/limits.py): refused at once, before any per-layer work.
+        # Beyond any real model or device (optimizer/study/limits.py): refused at once, before any per-layer work.
         ("  layers: 2\n", "  layers: 100000\n", "model.layers", "beyond any real layer count"),
         ("  hidden_size: 64\n", "  hidden_size: 1.0e+9\n", "model.hidden_size", "beyond any real hidden size"),
         ("  vocab_size: 128\n", "  vocab_size: 1e12\n", "model.vocab_size", "beyond any real vocabulary"),

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from optimizer.calibration import MemorySample, TimeSample, calibrated_fits, fit_rates, memory_factor
-from optimizer.knobs import with_knobs
-from optimizer.specs import baseline_candidate
-from optimizer.study_file import load_study
-from optimizer.throughput import FEATURES, Rates, predict, predict_candidate, profile_rates, work
-from optimizer.transformer import parameter_count
+from optimizer.ledger.transformer import parameter_count
+from optimizer.perf.calibration import MemorySample, TimeSample, calibrated_fits, fit_rates, memory_factor
+from optimizer.perf.throughput import FEATURES, Rates, predict, predict_candidate, profile_rates, work
+from optimizer.study.knobs import with_knobs
+from optimizer.study.specs import baseline_candidate
+from optimizer.study.study_file import load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_2_7B_PARAMETERS = 6_738_415_616  # published (Hugging Face model card); tests/test_transformer.py checks the count

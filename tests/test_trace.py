@@ -20,12 +20,12 @@ from launchers.trace import (
 )
 from launchers.trial import model_dict
 from optimizer.cli import main
-from optimizer.knobs import Precision, parse_checkpointing, with_knobs
-from optimizer.ledger import compute_ledger
-from optimizer.ledger_report import ledger_json
-from optimizer.specs import ActivationSource, MlpKind, NormKind, baseline_candidate
-from optimizer.study_file import load_study
-from optimizer.transformer import activation_estimate, head_terms, largest_layer_parameters, parameter_count
+from optimizer.ledger.core import compute_ledger
+from optimizer.ledger.report import ledger_json
+from optimizer.ledger.transformer import activation_estimate, head_terms, largest_layer_parameters, parameter_count
+from optimizer.study.knobs import Precision, parse_checkpointing, with_knobs
+from optimizer.study.specs import ActivationSource, MlpKind, NormKind, baseline_candidate
+from optimizer.study.study_file import load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 

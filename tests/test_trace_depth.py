@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from launchers.fake_kernels import GROUPED_NOTE
 from launchers.trace import TraceCache, TraceResult, joint_peak, trace, traced_activation
 from launchers.trace_depth import shallow_depths, spec_at_depth
 from launchers.trial import model_dict
-from optimizer.knobs import Precision, ZeroStage, with_knobs
-from optimizer.ledger import compute_ledger
-from optimizer.ledger_items import Category, Phase
-from optimizer.specs import ActivationSource, baseline_candidate
-from optimizer.study_file import load_study
-from optimizer.transformer import parameter_count
+from launchers.workloads.fake_kernels import GROUPED_NOTE
+from optimizer.ledger.core import compute_ledger
+from optimizer.ledger.items import Category, Phase
+from optimizer.ledger.transformer import parameter_count
+from optimizer.study.knobs import Precision, ZeroStage, with_knobs
+from optimizer.study.specs import ActivationSource, baseline_candidate
+from optimizer.study.study_file import load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = json.loads((ROOT / "tests" / "data" / "hf_families.json").read_text())

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from optimizer.knobs import EveryKCheckpointing, FullCheckpointing, NoCheckpointing, SelectiveCheckpointing
-from optimizer.specs import AttentionKind, MlpKind, NormKind, PositionKind, TransformerModel
-from optimizer.transformer import (
+from optimizer.ledger.transformer import (
     activation_estimate,
     attention_core_terms,
     head_terms,
@@ -14,6 +12,8 @@ from optimizer.transformer import (
     layer_terms,
     parameter_count,
 )
+from optimizer.study.knobs import EveryKCheckpointing, FullCheckpointing, NoCheckpointing, SelectiveCheckpointing
+from optimizer.study.specs import AttentionKind, MlpKind, NormKind, PositionKind, TransformerModel
 
 
 def gpt(layers, hidden, heads, vocab=50257, positions=1024, **kw) -> TransformerModel:

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from launchers.cpu_memory import COUNT_FLAG, count_every_thread, start_cpu_profiler, stop_cpu_profiler
 from launchers.local import LAUNCH_ID_VAR, build_launch_plan
-from launchers.trial_rank import NonFiniteLoss, classify
-from launchers.workload import SyntheticTokens, recomputed_blocks
-from optimizer.host_oom import HostMemoryEvidence
-from optimizer.trial_result import Outcome, loss_fidelity, summarize
+from launchers.workloads.builtin import SyntheticTokens, recomputed_blocks
+from launchers.workloads.cpu_memory import COUNT_FLAG, count_every_thread, start_cpu_profiler, stop_cpu_profiler
+from launchers.workloads.trial_rank import NonFiniteLoss, classify
+from optimizer.results.host_oom import HostMemoryEvidence
+from optimizer.results.trial_result import Outcome, loss_fidelity, summarize
 
 
 def test_launch_plan_snapshot():
@@ -23,7 +23,8 @@ def test_launch_plan_snapshot():
                              pythonpath=["/repo", "/studies"], cwd=Path("/repo"), cpu_count=2, launch_id="abc",
                              extensions_dir=Path("/venv/torch_extensions"))
     assert plan.argv == ("/venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
-                         "2", "--master_addr", "127.0.0.1", "--master_port", "29511", "-m", "launchers.trial_rank",
+                         "2", "--master_addr", "127.0.0.1", "--master_port", "29511", "-m",
+                         "launchers.workloads.trial_rank",
                          "/t/plan.json", "/t")
     assert plan.env == {"PATH": "/bin", "PYTHONUNBUFFERED": "1", "PYTHONPATH": "/repo:/studies",
                         "OMP_NUM_THREADS": "1", "TORCHELASTIC_ERROR_FILE": "/t/elastic_error.json",
@@ -284,9 +285,9 @@ def test_recomputed_blocks_follow_the_knob():
     ],
 )
 def test_the_workload_has_the_ledgers_parameter_count(spec):
-    from launchers.workload import GPT
-    from optimizer.specs import TransformerModel
-    from optimizer.transformer import largest_tensor_parameters, parameter_count
+    from launchers.workloads.builtin import GPT
+    from optimizer.ledger.transformer import largest_tensor_parameters, parameter_count
+    from optimizer.study.specs import TransformerModel
 
     model = GPT(spec, checkpointing="none")
     assert sum(p.numel() for p in model.parameters()) == parameter_count(TransformerModel(**spec))
@@ -299,10 +300,10 @@ def test_reference_candidate_is_the_baseline_or_its_least_memory_fp32_variant(re
     import yaml
 
     from launchers.trial import reference_candidate
-    from optimizer.errors import UserError
-    from optimizer.ledger import evaluate
-    from optimizer.specs import Precision, baseline_candidate
-    from optimizer.study_file import load_study
+    from optimizer.ledger.core import evaluate
+    from optimizer.study.errors import UserError
+    from optimizer.study.specs import Precision, baseline_candidate
+    from optimizer.study.study_file import load_study
 
     tiny = load_study(repo_root / "studies" / "cpu-tiny.yaml")
     assert reference_candidate(tiny) == baseline_candidate(tiny.training)
@@ -338,7 +339,7 @@ def test_stale_build_locks_are_cleared_but_fresh_ones_kept(tmp_path):
 def _tiny_study(repo_root, tmp_path):
     import shutil
 
-    from optimizer.study_file import load_study
+    from optimizer.study.study_file import load_study
 
     shutil.copy(repo_root / "studies" / "cpu-tiny.yaml", tmp_path / "cpu-tiny.yaml")
     return load_study(tmp_path / "cpu-tiny.yaml")  # outputs go to tmp_path/cpu-tiny/
@@ -352,7 +353,7 @@ def _fake_launch(monkeypatch, *, reports, returncode, evidence=None):
     from launchers.local import Execution
 
     def execute(plan, *, timeout_s, log_path):
-        out_dir = Path(plan.argv[-1])  # launchers.trial_rank PLAN.json OUT_DIR
+        out_dir = Path(plan.argv[-1])  # launchers.workloads.trial_rank PLAN.json OUT_DIR
         for rank, report in reports.items():
             (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
         log_path.write_text("torchrun log\n")
@@ -377,8 +378,8 @@ def test_result_json_carries_the_versions_and_the_host_memory_seen(repo_root, tm
     import json
 
     from launchers.trial import run_trial
-    from optimizer.specs import baseline_candidate
-    from optimizer.versions import installed_versions
+    from optimizer.deepspeed.versions import installed_versions
+    from optimizer.study.specs import baseline_candidate
 
     study = _tiny_study(repo_root, tmp_path)
     _fake_launch(monkeypatch, reports={0: _report(0, losses=[2.0, 1.9, 1.8, 1.7, 1.6]),
@@ -396,7 +397,7 @@ def test_a_launch_the_oom_killer_ended_is_recorded_as_oom_host(repo_root, tmp_pa
     import json
 
     from launchers.trial import run_trial
-    from optimizer.specs import baseline_candidate
+    from optimizer.study.specs import baseline_candidate
 
     study = _tiny_study(repo_root, tmp_path)
     _fake_launch(monkeypatch, reports={}, returncode=-9, evidence=NEAR)
@@ -410,8 +411,8 @@ def test_a_reference_cached_under_other_versions_is_run_again(repo_root, tmp_pat
     import json
 
     import launchers.trial as trial
-    from optimizer.trial_result import TrialResult
-    from optimizer.versions import installed_versions
+    from optimizer.deepspeed.versions import installed_versions
+    from optimizer.results.trial_result import TrialResult
 
     study = _tiny_study(repo_root, tmp_path)
     current = installed_versions()

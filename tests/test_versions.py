@@ -1,4 +1,4 @@
-"""The installed-versions check (optimizer/versions.py) and the pins that follow from it (pyproject.toml)."""
+"""The installed-versions check (optimizer/deepspeed/versions.py) and the pins that follow from it (pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import tomllib
 
 import pytest
 
-from optimizer import versions
-from optimizer.versions import LEDGER_DEEPSPEED_VERSION, deepspeed_mismatch, installed_versions, release
+from optimizer.deepspeed import versions
+from optimizer.deepspeed.versions import LEDGER_DEEPSPEED_VERSION, deepspeed_mismatch, installed_versions, release
 
 
 @pytest.mark.parametrize(
@@ -64,7 +64,8 @@ def test_installed_versions_name_the_libraries_a_trial_depends_on():
 
 
 def test_every_ledger_source_cites_the_same_deepspeed():
-    from optimizer import init_ledger, model_states
+    from optimizer.ledger import init_phase as init_ledger
+    from optimizer.ledger import model_states
 
     assert model_states.DS == init_ledger.DS == f"DeepSpeed {LEDGER_DEEPSPEED_VERSION}"
 

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from optimizer.knobs import Precision, with_knobs
-from optimizer.ledger import compute_ledger
-from optimizer.ledger_items import Location, Phase
-from optimizer.specs import ActivationSource, TracedActivation, baseline_candidate
-from optimizer.study_file import load_study
-from optimizer.transformer import parameter_count
+from optimizer.ledger.core import compute_ledger
+from optimizer.ledger.items import Location, Phase
+from optimizer.ledger.transformer import parameter_count
+from optimizer.study.knobs import Precision, with_knobs
+from optimizer.study.specs import ActivationSource, TracedActivation, baseline_candidate
+from optimizer.study.study_file import load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 ALWAYS = 4 * 120_576 + 4 * 60_288 + 8 * 60_288  # flat fp32 parameters, fp32 master partition, Adam's two states

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from launchers.workload import GPT
+from launchers.workloads.builtin import GPT
 
 
 class _Masked(torch.nn.Module):

@@ -8,8 +8,8 @@ import optuna
 import pytest
 from cluster_helpers import launches, start_worker, write_cluster_study
 
-from optimizer.storage import open_storage
-from optimizer.study_file import load_study
+from optimizer.search.storage import open_storage
+from optimizer.study.study_file import load_study
 
 pytestmark = pytest.mark.slow
 

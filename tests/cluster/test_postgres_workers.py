@@ -18,9 +18,9 @@ import pytest
 from cluster_helpers import launches, start_worker, wait_for, write_cluster_study
 
 from launchers.local import marked_processes
-from optimizer.coordination import active_claims
-from optimizer.storage import open_storage
-from optimizer.study_file import load_study
+from optimizer.search.coordination import active_claims
+from optimizer.search.storage import open_storage
+from optimizer.study.study_file import load_study
 
 pytestmark = pytest.mark.slow
 FAST_HEARTBEAT = {"heartbeat_s": 1, "grace_s": 4, "max_retry": 2}

@@ -12,8 +12,8 @@ import optuna
 import pytest
 from cluster_helpers import ROOT, launches, wait_for, write_cluster_study
 
-from optimizer.storage import open_storage
-from optimizer.study_file import load_study
+from optimizer.search.storage import open_storage
+from optimizer.study.study_file import load_study
 
 pytestmark = pytest.mark.slow
 
@@ -66,8 +66,8 @@ def test_a_two_node_trial_starts_one_torchrun_agent_per_node_with_srun(tmp_path,
     script.write_text(
         "import json, sys\n"
         "from launchers.trial import result_json, run_trial\n"
-        "from optimizer.specs import baseline_candidate\n"
-        "from optimizer.study_file import load_study\n"
+        "from optimizer.study.specs import baseline_candidate\n"
+        "from optimizer.study.study_file import load_study\n"
         "study = load_study(sys.argv[1])\n"
         "result = run_trial(study=study, candidate=baseline_candidate(study.training), slurm_nodes=1)\n"
         "print('RESULT', json.dumps(result_json(result)))\n")

@@ -1,6 +1,6 @@
 """Workers opening a fresh PostgreSQL study storage at the same moment (a SLURM array starting): none may fail.
 
-Optuna's ``RDBStorage`` creates its tables on first use; without :func:`optimizer.storage._schema_lock` the
+Optuna's ``RDBStorage`` creates its tables on first use; without :func:`optimizer.search.storage._schema_lock` the
 processes race between SQLAlchemy's existence check and ``CREATE TABLE`` and the losers die with
 ``UniqueViolation: ... "pg_type_typname_nsp_index"`` (seen in CI on 2026-12-01 with three ``dsopt worker``).
 """
@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from optimizer.cluster_settings import WorkerSettings
-from optimizer.storage import open_storage
+from optimizer.search.storage import open_storage
+from optimizer.study.cluster_settings import WorkerSettings
 
 pytestmark = pytest.mark.slow
 PROCESSES = 6

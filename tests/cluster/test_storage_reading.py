@@ -14,7 +14,7 @@ STUDY = "studies/cpu-tiny.yaml"
 def _tables(url: str) -> set[str]:
     import sqlalchemy
 
-    from optimizer.storage import connection_url
+    from optimizer.search.storage import connection_url
 
     engine = sqlalchemy.create_engine(connection_url(url))
     try:

@@ -2,7 +2,7 @@
 
 Run under ``torchrun --nproc_per_node 2`` with ``DS_ACCELERATOR=cpu``. Arguments: a JSON file of
 cases and an output folder. Each case builds a small GPT whose parameter layout is the one
-``optimizer.transformer.parameter_tensors`` describes, trains one step with the given DeepSpeed
+``optimizer.ledger.transformer.parameter_tensors`` describes, trains one step with the given DeepSpeed
 config, and records the bytes of DeepSpeed's model-state tensors (DeepSpeed 0.19.8 attribute
 names; a rename fails the test, which is the point: the ledger must then be re-read against the
 new source). Writes ``<out>/<case>.rank<r>.json``.

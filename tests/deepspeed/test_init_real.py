@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launchers.construction import INIT_CHUNK_ELEMENTS
 from launchers.trial import run_trial
-from optimizer.knobs import with_knobs
-from optimizer.ledger import compute_ledger
-from optimizer.model_states import construction_bytes
-from optimizer.specs import baseline_candidate
-from optimizer.study_file import load_study
-from optimizer.transformer import parameter_count
-from optimizer.trial_result import Outcome
+from launchers.workloads.construction import INIT_CHUNK_ELEMENTS
+from optimizer.ledger.core import compute_ledger
+from optimizer.ledger.model_states import construction_bytes
+from optimizer.ledger.transformer import parameter_count
+from optimizer.results.trial_result import Outcome
+from optimizer.study.knobs import with_knobs
+from optimizer.study.specs import baseline_candidate
+from optimizer.study.study_file import load_study
 
 pytestmark = pytest.mark.slow
 
@@ -142,7 +142,7 @@ def test_a_tied_transformers_model_holds_its_head_until_tied(folder):
     import json
 
     from launchers.inventory import with_inventory
-    from optimizer.transformer import tied_copy_elements
+    from optimizer.ledger.transformer import tied_copy_elements
 
     config = json.loads((ROOT / "studies" / "llama-tiny-cpu.config.json").read_text()) | {"tie_word_embeddings": True}
     (folder / "tied.config.json").write_text(json.dumps(config))

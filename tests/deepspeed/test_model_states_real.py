@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from two_ranks import run_two_ranks
 
-from optimizer.ds_config import build_ds_config
-from optimizer.knobs import Candidate, NoCheckpointing, OffloadDevice, Precision, ZeroStage
-from optimizer.ledger import Phase, compute_ledger
-from optimizer.specs import Accelerator, HardwareSpec, TrainingSpec, TransformerModel
-from optimizer.transformer import parameter_count
+from optimizer.deepspeed.config import build_ds_config
+from optimizer.ledger.core import Phase, compute_ledger
+from optimizer.ledger.transformer import parameter_count
+from optimizer.study.knobs import Candidate, NoCheckpointing, OffloadDevice, Precision, ZeroStage
+from optimizer.study.specs import Accelerator, HardwareSpec, TrainingSpec, TransformerModel
 
 pytestmark = pytest.mark.slow
 

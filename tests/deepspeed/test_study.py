@@ -18,12 +18,12 @@ from trial_processes import trial_processes
 from launchers.study_run import counts, default_storage, run_study
 from launchers.trial import candidate_slug, run_trial
 from optimizer.cli import main
-from optimizer.knobs import with_knobs
-from optimizer.ordering import over_budget_trials
-from optimizer.pareto import feasible_front
-from optimizer.specs import baseline_candidate
-from optimizer.study_file import load_study
-from optimizer.trial_result import Outcome
+from optimizer.results.pareto import feasible_front
+from optimizer.results.trial_result import Outcome
+from optimizer.search.ordering import over_budget_trials
+from optimizer.study.knobs import with_knobs
+from optimizer.study.specs import baseline_candidate
+from optimizer.study.study_file import load_study
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

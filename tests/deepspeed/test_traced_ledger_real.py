@@ -12,11 +12,11 @@ import pytest
 
 from launchers.trace import with_traced_activations
 from launchers.trial import run_trial
-from optimizer.knobs import with_knobs
-from optimizer.ledger import compute_ledger
-from optimizer.specs import ActivationSource, baseline_candidate
-from optimizer.study_file import load_study
-from optimizer.trial_result import Outcome
+from optimizer.ledger.core import compute_ledger
+from optimizer.results.trial_result import Outcome
+from optimizer.study.knobs import with_knobs
+from optimizer.study.specs import ActivationSource, baseline_candidate
+from optimizer.study.study_file import load_study
 
 pytestmark = pytest.mark.slow
 

@@ -19,11 +19,11 @@ from trial_processes import trial_processes
 
 from launchers.local import LAUNCH_ID_VAR
 from launchers.trial import reference_losses, run_trial
-from launchers.workload import build_model
-from optimizer.knobs import with_knobs
-from optimizer.specs import baseline_candidate
-from optimizer.study_file import load_study
-from optimizer.trial_result import Outcome
+from launchers.workloads.builtin import build_model
+from optimizer.results.trial_result import Outcome
+from optimizer.study.knobs import with_knobs
+from optimizer.study.specs import baseline_candidate
+from optimizer.study.study_file import load_study
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The replay of DeepSpeed's ZeRO-3 coordinator (optimizer/zero3_gather.py, over the traced module order) against
+"""The replay of DeepSpeed's ZeRO-3 coordinator (optimizer/ledger/zero3_gather.py, over the traced module order) against
 real DeepSpeed on 2 CPU ranks: the parameters held gathered or in flight when forward ends, once the coordinator
 has its trace (from the second step), must equal the replay's figure exactly — for the built-in GPT and a
 transformers Qwen2 (biases on q/k/v), in fp32 and bf16."""
@@ -13,10 +13,10 @@ from two_ranks import run_two_ranks
 
 from launchers.trace import trace
 from launchers.trial import model_dict
-from optimizer.ds_config import build_ds_config
-from optimizer.knobs import Candidate, NoCheckpointing, OffloadDevice, Precision, ZeroStage
-from optimizer.specs import Accelerator, HardwareSpec, TrainingSpec, TransformerModel
-from optimizer.study_file import load_study
+from optimizer.deepspeed.config import build_ds_config
+from optimizer.study.knobs import Candidate, NoCheckpointing, OffloadDevice, Precision, ZeroStage
+from optimizer.study.specs import Accelerator, HardwareSpec, TrainingSpec, TransformerModel
+from optimizer.study.study_file import load_study
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from launchers.workload import build_workload
+from launchers.workloads.builtin import build_workload
 
 HELD = (ZeroParamStatus.AVAILABLE, ZeroParamStatus.INFLIGHT)
 

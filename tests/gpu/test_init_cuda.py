@@ -11,12 +11,12 @@ import pytest
 import yaml
 
 from launchers.trial import run_trial
-from optimizer.knobs import with_knobs
-from optimizer.ledger import compute_ledger
-from optimizer.specs import baseline_candidate
-from optimizer.study_file import load_study
-from optimizer.transformer import parameter_count
-from optimizer.trial_result import Outcome
+from optimizer.ledger.core import compute_ledger
+from optimizer.ledger.transformer import parameter_count
+from optimizer.results.trial_result import Outcome
+from optimizer.study.knobs import with_knobs
+from optimizer.study.specs import baseline_candidate
+from optimizer.study.study_file import load_study
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

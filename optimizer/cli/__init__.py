@@ -1,0 +1,46 @@
+"""The ``dsopt`` command line, the top layer: one module per command (argument parsing and printing, one
+library or launcher call); nothing below it imports it.
+
+``main()`` returns the exit code: 0 on success, 2 on a user mistake (printed on one line); ``dsopt trial``
+returns 1 when the trial ran and failed (its outcome — oom, oom_host, nan, unsupported, timeout, crash —
+is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from optimizer.cli import dashboard, demo, export, ledger, pareto, slurm, study, trace, trial
+from optimizer.cli.common import Parser
+from optimizer.study.errors import EXIT_USER_ERROR, UserError
+
+COMMANDS = (ledger, trial, study, slurm, export, pareto, dashboard, trace, demo)
+"""Each command module's ``register(sub)`` adds its parser (in ``dsopt --help`` order)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="dsopt", description="Search-based optimizer for DeepSpeed configurations.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except UserError as err:
+        print(f"dsopt: error: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except BrokenPipeError:  # `dsopt ledger --json | head`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""``dsopt demo``: a small real study on 2 CPU ranks, then the export and the Pareto plots."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from optimizer.cli.common import positive_int, prepared_study
+
+
+def run(args: argparse.Namespace) -> int:
+    from launchers.demo import DEMO_STUDY, run_demo
+    from launchers.trial import ReferenceFailed
+    from optimizer.results.pareto import front_table
+
+    study = prepared_study(args.study or DEMO_STUDY)
+    print(f"dsopt demo: {study.path}, {study.hardware.gpus_per_node} {study.hardware.accelerator} ranks, until "
+          f"{args.n_trials} trials have finished", file=sys.stderr)
+    try:
+        demo = run_demo(spec=study, n_trials=args.n_trials)
+    except ReferenceFailed as failed:
+        print(f"dsopt: {failed}; see {study.output_dir / 'reference' / 'log.txt'}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("dsopt: interrupted; run the demo again to continue", file=sys.stderr)
+        return 130
+    c, trial = demo.counts, demo.picked
+    print(front_table(demo.study, budget_bytes=study.hardware.gpu_memory_bytes))
+    print(f"\ntrials: {c['measured']} launched and measured, {c['reused']} reused, {c['pruned']} pruned by the "
+          f"ledger (never launched), {c['held']} held by the launch margin, {c['failed']} failed (oom included); wall "
+          f"time {demo.wall_s:.0f} s")
+    print(f"picked (balanced): trial #{trial.number} {trial.user_attrs['candidate']}: {trial.values[0] / 1e6:.3f} MB "
+          f"per rank, {trial.values[1]:,.0f} tokens/s, loss fidelity {trial.user_attrs.get('loss_fidelity', 0):.1e}")
+    print(f"DeepSpeed config: {demo.config_path}\nPareto plots: {demo.png_path}, {demo.html_path}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    demo = sub.add_parser("demo", help="a small real study on 2 CPU ranks, then export and Pareto plots")
+    demo.add_argument("--study", default=None, help="study file (default: studies/demo-cpu.yaml)")
+    demo.add_argument("--n-trials", type=positive_int, default=16, help="finished trials to reach (default 16)")
+    demo.set_defaults(run=run)

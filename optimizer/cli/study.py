@@ -1,0 +1,77 @@
+"""``dsopt study run STUDY`` (one process) and ``dsopt worker STUDY`` (one of many on a shared storage)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from optimizer.cli.common import positive_int, positive_seconds, progress_flags, runnable_study, shared_storage, slot
+from optimizer.search.storage import check_shared_storage, redact
+from optimizer.study.study_file import StudySpec
+
+
+def _run(study: StudySpec, storage: str, args: argparse.Namespace, *, parallel: bool,
+         gpus: tuple[str, ...] | None) -> int:
+    """``dsopt study run`` and ``dsopt worker``: run, then one summary line."""
+    from launchers.progress import ProgressMode
+    from launchers.study_run import counts, run_study
+    from launchers.trial import ReferenceFailed
+
+    mode = ProgressMode.JSONL if args.jsonl else ProgressMode.QUIET if args.quiet else ProgressMode.HUMAN
+    try:
+        result = run_study(spec=study, storage=storage, n_trials=args.n_trials, timeout_s=args.timeout,
+                           parallel=parallel, gpus=gpus, progress=mode)
+    except ReferenceFailed as failed:
+        print(f"dsopt: {failed}; see {study.output_dir / 'reference' / 'log.txt'}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("dsopt: interrupted; the running trial is recorded as failed — run the same command to continue",
+              file=sys.stderr)
+        return 130
+    c = counts(result)
+    who = " (all workers)" if parallel else ""
+    summary = sys.stderr if mode is ProgressMode.JSONL else sys.stdout  # stdout: the records only
+    print(f"study {study.name}{who}: {c['measured']} measured, {c['reused']} reused, {c['pruned']} pruned by the "
+          f"ledger, {c['held']} held by the launch margin, {c['failed']} failed, {c['running']} running; feasible "
+          f"Pareto front: {len(result.best_trials)} trial(s)", file=summary)
+    print(f"storage: {redact(storage)}", file=summary)
+    return 0
+
+def _study_run(args: argparse.Namespace) -> int:
+    from launchers.study_run import default_storage
+
+    study, gpus = runnable_study(args.study)
+    return _run(study, args.storage or default_storage(study), args, parallel=False, gpus=gpus)
+
+def _worker(args: argparse.Namespace) -> int:
+    storage = shared_storage(args)
+    check_shared_storage(storage)  # before the model is counted and traced
+    study, gpus = runnable_study(args.study, slot=args.slot)
+    return _run(study, storage, args, parallel=True, gpus=gpus)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    study = sub.add_parser("study", help="Optuna studies")
+    study_sub = study.add_subparsers(dest="study_command", required=True)
+    study_run = study_sub.add_parser("run", help="create or resume a study and run trials")
+    study_run.add_argument("study", help="study file")
+    study_run.add_argument("--n-trials", type=positive_int, default=None, help="trials to run in this invocation")
+    study_run.add_argument("--timeout", type=positive_seconds, default=None,
+                           help="stop starting trials after S seconds")
+    study_run.add_argument("--storage", default=None,
+                           help="Optuna storage URL (default: sqlite file under studies/NAME/)")
+    study_run.set_defaults(run=_study_run)
+    progress_flags(study_run)
+    worker = sub.add_parser("worker", help="join a study on a shared storage and run trials until its budget "
+                            "is spent")
+    worker.add_argument("study", help="study file")
+    worker.add_argument("--storage", default=None, help="shared Optuna storage URL (default: $DSOPT_STORAGE); "
+                        "postgresql+psycopg://... or journal:///shared/file.log")
+    worker.add_argument("--n-trials", type=positive_int, default=None, help="at most N trials in this worker")
+    worker.add_argument("--timeout", type=positive_seconds, default=None, help="stop starting trials after S seconds")
+    worker.add_argument("--slot", type=slot, default=None, metavar="K[/N]", help="this worker's share of the "
+                        "node's GPUs when several workers share it: GPUs K*g..K*g+g-1 of those visible (g = "
+                        "hardware.gpus_per_node), K from 0; K/N also checks that N workers fit (default: "
+                        "$SLURM_LOCALID inside an srun step, else 0)")
+    progress_flags(worker)
+    worker.set_defaults(run=_worker)

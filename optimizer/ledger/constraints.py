@@ -1,0 +1,75 @@
+"""Which candidates DeepSpeed (and the study) can actually run — with the reason when not.
+
+Rules, each from DeepSpeed's documentation or source (DeepSpeed 0.19, ``docs/_pages/config-json.md``
+and ``runtime/zero/config.py``):
+
+* ``offload_optimizer`` needs ZeRO stage ≥ 1 (the offload lives inside the ZeRO optimizer);
+* ``offload_optimizer: nvme`` needs stage 3 (ZeRO-Infinity; stages 1–2 offload to CPU only);
+* ``offload_param`` needs stage 3 (only stage 3 partitions parameters);
+* the precision must be one the hardware supports (``hardware.supported_precisions``; for CPU ranks the
+  default leaves fp16 out: DeepSpeed's CPU accelerator refuses it — "Type fp16 is not supported on your
+  device" — unless oneDNN supports fp16 on that CPU, e.g. AVX512-FP16/AMX);
+* the micro-batch must divide the global batch over the data-parallel ranks, since gradient
+  accumulation is derived: ``global = micro × accumulation × ranks``;
+* ``training.model_init: zero_init`` needs stage 3: ``deepspeed.zero.Init`` partitions the parameters as the
+  model is built (``partition_parameters.py:1232-1262``), and only the stage-3 optimizer trains such a model;
+* a checkpointing option must make sense for the model: ``every_K`` needs K ≤ layers, and a
+  seed-mode study must state an activation figure for the option.
+
+Nothing here fixes a candidate: it returns reasons, and the caller reports them.
+"""
+
+from __future__ import annotations
+
+from optimizer.study.knobs import Candidate, EveryKCheckpointing, OffloadDevice, SelectiveCheckpointing, ZeroStage
+from optimizer.study.specs import HardwareSpec, ModelInit, ModelSpec, SeedModel, TrainingSpec, TransformerModel
+
+
+def invalid_reasons(
+    *, candidate: Candidate, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec
+) -> tuple[str, ...]:
+    """Every reason ``candidate`` cannot run on this study; empty when it is valid."""
+    reasons: list[str] = []
+    stage = candidate.zero_stage
+    if candidate.offload_optimizer is not OffloadDevice.NONE and stage < ZeroStage.OPTIMIZER:
+        reasons.append("offload_optimizer needs zero_stage >= 1 (DeepSpeed offloads inside the ZeRO optimizer)")
+    if candidate.offload_optimizer is OffloadDevice.NVME and stage in (ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS):
+        reasons.append("offload_optimizer=nvme needs zero_stage 3 (ZeRO-Infinity); stages 1-2 offload to cpu only")
+    if candidate.offload_param is not OffloadDevice.NONE and stage is not ZeroStage.PARAMETERS:
+        reasons.append("offload_param needs zero_stage 3 (only stage 3 partitions parameters)")
+    if candidate.precision not in hardware.supported_precisions:
+        supported = ", ".join(p.value for p in hardware.supported_precisions)
+        reasons.append(
+            f"precision={candidate.precision} is not supported on these {hardware.accelerator} devices "
+            f"(hardware.supported_precisions: {supported})"
+        )
+    if training.model_init is ModelInit.ZERO_INIT and stage is not ZeroStage.PARAMETERS:
+        reasons.append(f"training.model_init=zero_init builds the model partitioned (deepspeed.zero.Init); zero_stage "
+                       f"{int(stage)} cannot train a partitioned model (use model_init auto, device or full)")
+    uses_nvme = OffloadDevice.NVME in (candidate.offload_optimizer, candidate.offload_param)
+    if uses_nvme and hardware.nvme_path is None:
+        reasons.append("NVMe offload needs hardware.nvme_path")
+    per_step = candidate.micro_batch_size * hardware.world_size
+    if training.global_batch_size % per_step:
+        reasons.append(
+            f"micro_batch_size={candidate.micro_batch_size} x {hardware.world_size} ranks = {per_step} "
+            f"does not divide global_batch_size={training.global_batch_size}"
+        )
+    ckpt = candidate.checkpointing
+    if isinstance(model, TransformerModel) and isinstance(ckpt, EveryKCheckpointing) and ckpt.k > model.layers:
+        reasons.append(f"checkpointing={ckpt} checkpoints no block of a {model.layers}-layer model")
+    if isinstance(model, TransformerModel) and model.hf_config is not None and isinstance(ckpt, SelectiveCheckpointing):
+        reasons.append("checkpointing=selective: a transformers model recomputes whole layers only "
+                       "(activation_checkpointing_enable); use full or every_K")
+    if isinstance(model, SeedModel) and model.activation_bytes_for(ckpt) is None:
+        stated = ", ".join(sorted(model.activation_bytes))
+        reasons.append(f"the study states no activation figure for checkpointing={ckpt} (stated: {stated})")
+    return tuple(reasons)
+
+
+def gradient_accumulation_steps(*, candidate: Candidate, hardware: HardwareSpec, training: TrainingSpec) -> int:
+    """Accumulation steps that keep the global batch fixed; the candidate must be valid."""
+    per_step = candidate.micro_batch_size * hardware.world_size
+    if training.global_batch_size % per_step:
+        raise ValueError(f"micro-batch {candidate.micro_batch_size} does not divide the global batch")
+    return training.global_batch_size // per_step

@@ -1,0 +1,278 @@
+"""Parameter count and per-layer activation bytes of a decoder-only transformer (pure).
+
+The activation terms are Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models" (arXiv 2205.05198), §4.1, written out tensor by tensor so that each term can
+be generalised and checked. For a GPT-2 block (4h GELU MLP, LayerNorm, dropout, a KV head per
+query head) with 16-bit activations and 1-byte dropout masks they sum to the paper's
+
+    per layer: s·b·h·(34 + 5·a·s/h) bytes
+      attention 11·sbh + 5·a·s²·b, MLP 19·sbh, two LayerNorms 4·sbh.
+
+Symbols: s sequence length, b micro-batch, h hidden size, a heads, f FFN size, V vocabulary,
+p bytes per activation element (2 for bf16/fp16, 4 for fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from optimizer.study.knobs import (
+    Checkpointing,
+    EveryKCheckpointing,
+    FullCheckpointing,
+    NoCheckpointing,
+    SelectiveCheckpointing,
+)
+from optimizer.study.specs import AttentionKind, MlpKind, NormKind, PositionKind, TransformerModel
+
+MASK_BYTES = 1
+"""A dropout mask element (``torch.bool``), Korthikanti §4.1."""
+
+LOGIT_BYTES = 4
+"""Cross-entropy runs on FP32 logits: Korthikanti §4.1 counts 4·s·b·V for them."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParameterTensor:
+    """One trainable tensor of the model."""
+
+    module: str
+    """The module that owns it (ZeRO-3 gathers a module's own parameters together)."""
+    numel: int
+    """Elements."""
+
+
+@lru_cache(maxsize=64)
+def parameter_tensors(model: TransformerModel) -> tuple[ParameterTensor, ...]:
+    """Every trainable tensor: the model's parameter inventory when it has one (a ``transformers`` config or an
+    entry point, built on the meta device), else laid out as GPT-2 (Radford et al. 2019) and Llama (Touvron et
+    al. 2023) are in Hugging Face ``transformers``. Cached: specs are frozen.
+
+    Per block: attention Q and O (h·h each) and K, V (h·kv·d each, d = h/a) with optional biases;
+    MLP 2·h·f (GELU: fc, proj) or 3·h·f (SwiGLU: gate, up, down) with optional biases; two norms
+    (LayerNorm: weight and bias of h; RMSNorm: weight). Learned positions add ``max_positions``·h;
+    an untied LM head adds V·h.
+    """
+    if model.inventory is not None:  # the model as its code builds it (optimizer/ledger/inventory.py)
+        return tuple(ParameterTensor(module=t.module, numel=t.numel) for t in model.inventory.tensors)
+    return layout_tensors(model)
+
+
+def layout_tensors(model: TransformerModel) -> tuple[ParameterTensor, ...]:
+    """The hand layout of :func:`parameter_tensors` from the shape alone (GPT-2/Llama blocks)."""
+    h, f, V = model.hidden_size, model.ffn_size, model.vocab_size
+    kv = model.kv_heads * model.head_dim
+    out = [ParameterTensor(module="embed_tokens", numel=V * h)]
+    if model.position_embedding is PositionKind.LEARNED:
+        out.append(ParameterTensor(module="embed_positions", numel=model.max_positions * h))
+
+    def linear(name: str, fan_in: int, fan_out: int) -> list[ParameterTensor]:
+        weight = [ParameterTensor(module=name, numel=fan_in * fan_out)]
+        return weight + ([ParameterTensor(module=name, numel=fan_out)] if model.bias else [])
+
+    def norm(name: str) -> list[ParameterTensor]:
+        tensors = [ParameterTensor(module=name, numel=h)]
+        return tensors + ([ParameterTensor(module=name, numel=h)] if model.norm is NormKind.LAYERNORM else [])
+
+    mlp = (("fc", h, f), ("proj", f, h)) if model.mlp is MlpKind.GELU else (("gate", h, f), ("up", h, f),
+                                                                            ("down", f, h))
+    for layer in range(model.layers):
+        prefix = f"layers.{layer}"
+        out += norm(f"{prefix}.norm1")
+        for name, fan_out in (("q", h), ("k", kv), ("v", kv), ("o", h)):
+            out += linear(f"{prefix}.attn.{name}", h, fan_out)
+        out += norm(f"{prefix}.norm2")
+        for name, fan_in, fan_out in mlp:
+            out += linear(f"{prefix}.mlp.{name}", fan_in, fan_out)
+    out += norm("final_norm")
+    if not model.tied_embeddings:
+        out.append(ParameterTensor(module="lm_head", numel=V * h))
+    return tuple(out)
+
+
+@lru_cache(maxsize=64)
+def zero3_partition_elements(model: TransformerModel, *, ranks: int) -> int:
+    """Q = Σₚ ⌈nₚ/N⌉: ZeRO-3 pads every tensor to a multiple of N (``partition_parameters.py:1690-1696``)."""
+    return sum(-(-t.numel // ranks) for t in parameter_tensors(model))
+
+
+@lru_cache(maxsize=64)
+def parameter_count(model: TransformerModel) -> int:
+    """Trainable parameters Ψ: the sum over :func:`parameter_tensors`."""
+    return sum(t.numel for t in parameter_tensors(model))
+
+
+@lru_cache(maxsize=64)
+def largest_layer_parameters(model: TransformerModel) -> int:
+    """Parameters of the largest single module — what ZeRO-3 gathers at once.
+
+    DeepSpeed's estimator takes the max over modules of their own (non-recursive) parameters
+    (``stage3.py: estimate_zero3_model_states_mem_needs_all_live``); so does this.
+    """
+    per_module: dict[str, int] = {}
+    for tensor in parameter_tensors(model):
+        per_module[tensor.module] = per_module.get(tensor.module, 0) + tensor.numel
+    return max(per_module.values())
+
+
+@lru_cache(maxsize=64)
+def tied_copy_elements(model: TransformerModel) -> int:
+    """Elements of the tensors a tied weight's other modules are built with before the tie replaces them
+    (transformers builds ``lm_head`` with its own weight and ``tie_weights`` then points it at the embedding,
+    ``modeling_utils.py:2624`` in 5.24, ``setattr(parent, name, source_param)``; a script's
+    ``head.weight = embed.weight`` does the same).
+    From the parameter inventory's tied groups; 0 without one (dsopt's GPT reuses the embedding in its head)."""
+    inventory = model.inventory
+    if inventory is None or not inventory.tied:
+        return 0
+    numel = {t.name: t.numel for t in inventory.tensors}
+    return sum(numel.get(group[0], 0) * (len(group) - 1) for group in inventory.tied)
+
+
+@lru_cache(maxsize=64)
+def largest_tensor_parameters(model: TransformerModel) -> int:
+    """Elements of the largest single parameter tensor (ZeRO-1/2 buffers are sized by it)."""
+    return max(t.numel for t in parameter_tensors(model))
+
+
+@lru_cache(maxsize=64)
+def persistent_parameters(model: TransformerModel, *, threshold: int) -> int:
+    """Elements ZeRO-3 never partitions: tensors with numel ≤ ``stage3_param_persistence_threshold``
+    (``runtime/zero/parameter_offload.py``, ``ds_persist``)."""
+    return sum(t.numel for t in parameter_tensors(model) if t.numel <= threshold)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActivationTerm:
+    """One stored tensor class of the activation ledger."""
+
+    name: str
+    """What is stored."""
+    formula: str
+    """The term in Korthikanti's notation, e.g. ``2sbh``."""
+    bytes: int
+    """Bytes for the given shape."""
+
+
+def layer_terms(
+    model: TransformerModel, *, seq: int, micro_batch: int, element_bytes: int
+) -> tuple[ActivationTerm, ...]:
+    """Activations one block keeps for backward, itemised (Korthikanti §4.1).
+
+    ``element_bytes`` is p (2 for 16-bit, 4 for fp32 training); masks are 1 byte. GQA shrinks
+    the stored K and V to kv·d columns; fused/flash attention stores no s×s tensor but its
+    per-row log-sum-exp (FP32, a·s·b; Dao 2023, FlashAttention-2 §3.1); SwiGLU stores the gate and
+    up projections, their SiLU and their product (4·sbf) where GELU stores 2·sbf.
+    """
+    s, b, h, a, f = seq, micro_batch, model.hidden_size, model.heads, model.ffn_size
+    p = element_bytes
+    sbh = s * b * h
+    kv_cols = model.kv_heads * model.head_dim
+    terms = [
+        ActivationTerm(name="norm inputs (2 per block)", formula="2·p·sbh", bytes=2 * p * sbh),
+        ActivationTerm(name="QKV projection input", formula="p·sbh", bytes=p * sbh),
+        ActivationTerm(name="Q and K for QK^T", formula="p·sbh + p·sb·kv·d", bytes=p * sbh + p * s * b * kv_cols),
+        ActivationTerm(name="V", formula="p·sb·kv·d", bytes=p * s * b * kv_cols),
+        ActivationTerm(name="attention output-projection input", formula="p·sbh", bytes=p * sbh),
+    ]
+    terms.extend(attention_core_terms(model, seq=seq, micro_batch=micro_batch, element_bytes=element_bytes))
+    if model.dropout:
+        terms.append(ActivationTerm(name="attention dropout mask", formula="sbh", bytes=MASK_BYTES * sbh))
+    terms.append(ActivationTerm(name="MLP input", formula="p·sbh", bytes=p * sbh))
+    if model.mlp is MlpKind.GELU:
+        terms.append(ActivationTerm(name="GELU input and output", formula="2·p·sbf", bytes=2 * p * s * b * f))
+    else:
+        terms.append(ActivationTerm(name="SwiGLU gate, up, SiLU, product", formula="4·p·sbf", bytes=4 * p * s * b * f))
+    if model.dropout:
+        terms.append(ActivationTerm(name="MLP dropout mask", formula="sbh", bytes=MASK_BYTES * sbh))
+    del a
+    return tuple(terms)
+
+
+def attention_core_terms(
+    model: TransformerModel, *, seq: int, micro_batch: int, element_bytes: int
+) -> tuple[ActivationTerm, ...]:
+    """What the attention core (QK^T, softmax, dropout) keeps: the part selective recompute drops.
+
+    Eager: softmax output p·as²b, its dropout mask as²b and the dropout output p·as²b — the
+    paper's 5·as²b at p = 2 (without dropout only the softmax output). Fused/flash: the FP32
+    log-sum-exp, 4·asb.
+    """
+    s, b, a, p = seq, micro_batch, model.heads, element_bytes
+    if model.attention is AttentionKind.FUSED:
+        return (ActivationTerm(name="flash-attention log-sum-exp (fp32)", formula="4·asb", bytes=4 * a * s * b),)
+    terms = [ActivationTerm(name="softmax output", formula="p·as²b", bytes=p * a * s * s * b)]
+    if model.dropout:
+        terms.append(ActivationTerm(name="softmax dropout mask", formula="as²b", bytes=MASK_BYTES * a * s * s * b))
+        terms.append(ActivationTerm(name="softmax dropout output", formula="p·as²b", bytes=p * a * s * s * b))
+    return tuple(terms)
+
+
+def head_terms(
+    model: TransformerModel, *, seq: int, micro_batch: int, element_bytes: int
+) -> tuple[ActivationTerm, ...]:
+    """Activations outside the blocks (Korthikanti §4.3): embedding dropout mask, final norm
+    input, LM-head input, and the FP32 logits cross-entropy keeps (4·sbV)."""
+    s, b, h, p = seq, micro_batch, model.hidden_size, element_bytes
+    terms = []
+    if model.dropout:
+        terms.append(ActivationTerm(name="embedding dropout mask", formula="sbh", bytes=MASK_BYTES * s * b * h))
+    terms.append(ActivationTerm(name="final norm input", formula="p·sbh", bytes=p * s * b * h))
+    terms.append(ActivationTerm(name="LM-head input", formula="p·sbh", bytes=p * s * b * h))
+    terms.append(ActivationTerm(name="logits for cross-entropy (fp32)", formula="4·sbV",
+                                bytes=LOGIT_BYTES * s * b * model.vocab_size))
+    return tuple(terms)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActivationEstimate:
+    """Activation bytes per GPU at the forward→backward peak, split as the ledger shows them."""
+
+    stored_bytes: int
+    """Kept across all blocks and the head until backward reaches them."""
+    recompute_bytes: int
+    """Working set of the one block being recomputed in backward (0 without recompute)."""
+    formula: str
+    """How the two figures were obtained, in the paper's notation."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.stored_bytes + self.recompute_bytes
+
+
+def activation_estimate(
+    model: TransformerModel, *, checkpointing: Checkpointing, seq: int, micro_batch: int, element_bytes: int
+) -> ActivationEstimate:
+    """Peak activation bytes for a checkpointing granularity (Korthikanti §4.2, §5).
+
+    * none: L · layer + head.
+    * full: each block keeps its input p·sbh (the paper's 2sbhL at p = 2); during backward one
+      block is recomputed, so its full activations are live once more: + layer.
+    * every_K: blocks K, 2K, … (⌊L/K⌋ of them) keep only their input; the others keep everything;
+      + one recomputed block.
+    * selective: every block drops its attention core (the as² terms); backward recomputes
+      one block's core.
+    """
+    layer = sum(t.bytes for t in layer_terms(model, seq=seq, micro_batch=micro_batch, element_bytes=element_bytes))
+    core = sum(t.bytes for t in attention_core_terms(model, seq=seq, micro_batch=micro_batch,
+                                                      element_bytes=element_bytes))
+    head = sum(t.bytes for t in head_terms(model, seq=seq, micro_batch=micro_batch, element_bytes=element_bytes))
+    boundary = element_bytes * seq * micro_batch * model.hidden_size
+    L = model.layers
+    if isinstance(checkpointing, NoCheckpointing):
+        return ActivationEstimate(stored_bytes=L * layer + head, recompute_bytes=0, formula="L·layer + head")
+    if isinstance(checkpointing, FullCheckpointing):
+        return ActivationEstimate(stored_bytes=L * boundary + head, recompute_bytes=layer,
+                                  formula="L·p·sbh + head, + 1 recomputed layer")
+    if isinstance(checkpointing, EveryKCheckpointing):
+        recomputed = L // checkpointing.k
+        return ActivationEstimate(
+            stored_bytes=recomputed * boundary + (L - recomputed) * layer + head,
+            recompute_bytes=layer if recomputed else 0,
+            formula=f"{recomputed}·p·sbh + {L - recomputed}·layer + head, + 1 recomputed layer",
+        )
+    if isinstance(checkpointing, SelectiveCheckpointing):
+        return ActivationEstimate(stored_bytes=L * (layer - core) + head, recompute_bytes=core,
+                                  formula="L·(layer − attention core) + head, + 1 recomputed core")
+    raise TypeError(f"unknown checkpointing {checkpointing!r}")

@@ -1,0 +1,1 @@
+"""Speed: the throughput model, the accelerators' figures it uses, and per-study calibration (pure)."""

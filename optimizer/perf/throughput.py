@@ -1,0 +1,212 @@
+"""Throughput model: time of one optimizer step per rank, itemised, and tokens/s (pure).
+
+The step is split into *work* (what the candidate makes the hardware do) and *rates* (how fast the
+hardware does it), so that calibration (:mod:`optimizer.perf.calibration`) can refit the rates from measured
+trials without touching the work. Per optimizer step and rank, with Ψ parameters, W data-parallel ranks,
+G = global batch, s sequence length, T = G·s/W tokens per rank, M = G/(micro-batch·W) micro-steps:
+
+* **compute** — forward FLOPs per token F = 2·N + 2·L·s·h (Kaplan et al. 2020, "Scaling Laws for Neural
+  Language Models", Table 1: N non-embedding parameters, plus the attention scores; the LM head's 2·V·h
+  is added since it is a matmul); training = 3·F·T (backward ≈ 2× forward). Recomputation adds the
+  forward of the recomputed blocks: all of them (``full``), every k-th (``every_k``), or the attention
+  scores 2·L·s·h per token (``selective``). Time = FLOPs / (peak FLOP/s × efficiency).
+* **communication** — ring collectives move (W−1)/W of the buffer per rank; grads and 16-bit params travel
+  in the training dtype (b = 2 bytes for bf16/fp16, 4 for fp32). ZeRO paper §7 (Rajbhandari et al. 2020):
+  plain data parallel and ZeRO-1/2 move 2Ψ per step (all-reduce = reduce-scatter + all-gather), ZeRO-3
+  3Ψ (parameters gathered in forward and again in backward, gradients reduce-scattered). DeepSpeed
+  reduces ZeRO-2 gradients every micro-step and ZeRO-3 gathers/reduces every micro-step, so with
+  gradient accumulation those volumes repeat M times. ZeRO-3 has ``overlap_comm`` and prefetching on
+  (dsopt's builder): its communication is counted as hidden under compute up to the compute time.
+* **offload** — optimizer on the CPU: 16-bit (or fp32) gradients of the rank's partition go to the host and
+  updated parameters come back over PCIe each step (2·Ψ/W·b bytes), and DeepSpeedCPUAdam updates Ψ/W
+  parameters on the host. Parameters on the CPU (ZeRO-3): the partition crosses PCIe in forward and
+  backward of every micro-step (2·M·Ψ/W·b). NVMe adds the optimizer states' swap (12 bytes/param read and
+  written) at the NVMe bandwidth, which is unknown unless calibrated.
+* **overhead** — a fixed time per micro-step that depends on the ZeRO stage (hooks, bucketing, launches).
+  Unknown a priori (0 on GPUs before calibration); on CPU ranks it dominates small models.
+
+Figures come from :mod:`optimizer.perf.hardware_profiles`; a missing one makes the prediction ``None`` with the
+reason, never a guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from optimizer.ledger.constraints import gradient_accumulation_steps
+from optimizer.ledger.transformer import parameter_count
+from optimizer.perf.hardware_profiles import profile_named
+from optimizer.study.knobs import (
+    Candidate,
+    EveryKCheckpointing,
+    FullCheckpointing,
+    OffloadDevice,
+    Precision,
+    SelectiveCheckpointing,
+    ZeroStage,
+)
+from optimizer.study.specs import HardwareSpec, TrainingSpec, TransformerModel
+
+FEATURES = ("flops_fp32", "flops_16bit", "comm_bytes", "comm_bytes_z3", "pcie_bytes", "host_params", "nvme_bytes",
+            "micro_steps_z0", "micro_steps_z1", "micro_steps_z2", "micro_steps_z3")
+"""The work of one optimizer step per rank, in the order of :class:`Rates`'s seconds-per-unit."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Work:
+    """What one optimizer step asks of one rank (each a count of the unit in its name)."""
+
+    flops: float
+    """Floating-point operations, recomputation included."""
+    comm_bytes: float
+    """Bytes through collectives, ZeRO 0–2 (not overlapped)."""
+    comm_bytes_z3: float
+    """Bytes through collectives at ZeRO-3 (overlapped with compute)."""
+    pcie_bytes: float
+    """Bytes over host↔device links for offload."""
+    host_params: float
+    """Parameters updated by the CPU optimizer."""
+    nvme_bytes: float
+    """Bytes swapped to and from NVMe."""
+    micro_steps: int
+    """Micro-steps (forward + backward) per optimizer step."""
+    stage: ZeroStage
+    """ZeRO stage (which per-micro-step overhead applies)."""
+    tokens: int
+    """Tokens this rank processes per optimizer step."""
+    precision: Precision
+    """Training precision (which peak FLOP/s applies)."""
+
+    def vector(self) -> tuple[float, ...]:
+        """The work in :data:`FEATURES` order."""
+        steps = [0.0, 0.0, 0.0, 0.0]
+        steps[int(self.stage)] = float(self.micro_steps)
+        fp32 = self.precision is Precision.FP32
+        return (self.flops if fp32 else 0.0, 0.0 if fp32 else self.flops, self.comm_bytes, self.comm_bytes_z3,
+                self.pcie_bytes, self.host_params,
+                self.nvme_bytes, *steps)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rates:
+    """Seconds per unit of work, in :data:`FEATURES` order (None: unknown)."""
+
+    seconds_per: tuple[float | None, ...]
+    """Seconds per FLOP, per byte communicated, …, per micro-step of each stage."""
+    source: str
+    """``profile NAME`` or ``calibrated on N trials``."""
+    overlap_z3: bool = True
+    """ZeRO-3 communication hidden under compute up to the compute time (profile rates); calibrated rates
+    are fitted as exposed time already."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepTime:
+    """A predicted optimizer step of one rank."""
+
+    terms_s: tuple[tuple[str, float], ...]
+    """Seconds per term: compute, communication, offload, host_optimizer, nvme, overhead."""
+    total_s: float
+    """The step (exposed time)."""
+    tokens_per_s: float
+    """Throughput of the whole job: tokens per step over all ranks / step time."""
+    source: str
+    """Where the rates came from."""
+
+
+def work(*, candidate: Candidate, model: TransformerModel, hardware: HardwareSpec, training: TrainingSpec) -> Work:
+    """The work of one optimizer step per rank for ``candidate`` (module doc for each formula)."""
+    ranks = hardware.world_size
+    micro = gradient_accumulation_steps(candidate=candidate, hardware=hardware, training=training)
+    tokens = training.global_batch_size * training.sequence_length // ranks
+    L, h, s, V = model.layers, model.hidden_size, training.sequence_length, model.vocab_size
+    psi = parameter_count(model)
+    embedding = V * h + (model.max_positions * h if model.position_embedding.value == "learned" else 0)
+    head = 0 if model.tied_embeddings else V * h
+    blocks = psi - embedding - head
+    attention = 2 * L * s * h
+    block_forward = 2 * blocks + attention          # per token
+    forward = block_forward + 2 * V * h             # + LM head matmul
+    ckpt = candidate.checkpointing
+    if isinstance(ckpt, FullCheckpointing):
+        recompute = block_forward
+    elif isinstance(ckpt, EveryKCheckpointing):
+        recompute = block_forward * (L // ckpt.k) / L
+    elif isinstance(ckpt, SelectiveCheckpointing):
+        recompute = attention
+    else:
+        recompute = 0
+    flops = float(tokens * (3 * forward + recompute))
+    b = 4 if candidate.precision is Precision.FP32 else 2
+    ring = (ranks - 1) / ranks
+    stage = candidate.zero_stage
+    comm = comm_z3 = 0.0
+    if stage in (ZeroStage.DISABLED, ZeroStage.OPTIMIZER):
+        comm = 2 * ring * psi * b
+    elif stage is ZeroStage.GRADIENTS:
+        comm = ring * psi * b * (micro + 1)
+    else:
+        comm_z3 = 3 * ring * psi * b * micro
+    partition = psi / ranks
+    pcie = host = nvme = 0.0
+    if candidate.offload_optimizer is not OffloadDevice.NONE:
+        pcie += 2 * partition * b
+        host = partition
+        if candidate.offload_optimizer is OffloadDevice.NVME:
+            nvme += 2 * 12 * partition
+    if candidate.offload_param is not OffloadDevice.NONE:
+        pcie += 2 * micro * partition * b
+        if candidate.offload_param is OffloadDevice.NVME:
+            nvme += 2 * micro * partition * b
+    return Work(flops=flops, comm_bytes=comm, comm_bytes_z3=comm_z3, pcie_bytes=pcie, host_params=host,
+                nvme_bytes=nvme, micro_steps=micro, stage=stage, tokens=tokens, precision=candidate.precision)
+
+
+def profile_rates(*, hardware: HardwareSpec) -> Rates:
+    """Seconds per unit from the hardware's profile (None where it has no figure, or no profile is named)."""
+    if hardware.profile is None:
+        return Rates(seconds_per=(None,) * len(FEATURES), source="no hardware.profile")
+    profile = profile_named(hardware.profile)
+    link = profile.link_bytes_per_s if hardware.nodes == 1 else (
+        hardware.inter_node_bytes_per_s or profile.inter_node_bytes_per_s)
+    nvme = hardware.nvme_bytes_per_s
+
+    def inverse(rate: float | None) -> float | None:
+        return 1.0 / rate if rate else None
+
+    fp32, half = profile.flops(Precision.FP32), profile.flops(Precision.BF16)
+    gpu = half is not None
+    return Rates(seconds_per=(
+        inverse(fp32 * profile.efficiency) if fp32 else None,
+        inverse(half * profile.efficiency) if half else None,
+        inverse(link), inverse(link), inverse(profile.pcie_bytes_per_s), inverse(profile.host_adam_params_per_s),
+        inverse(nvme),
+        *((0.0 if gpu else None),) * 4,  # per-micro-step overheads: negligible on GPUs for large models
+    ), source=f"profile {profile.name}")
+
+
+def predict(*, job: Work, rates: Rates, ranks: int) -> StepTime | str:
+    """The step time for ``job`` at ``rates``, or why it is unknown (the first missing figure it needs)."""
+    vector = job.vector()
+    seconds = []
+    for name, amount, per in zip(FEATURES, vector, rates.seconds_per, strict=True):
+        if amount and per is None:
+            return f"unknown: no figure for {name.replace('_', ' ')} ({rates.source}); calibration or " \
+                   "hardware.profile supplies it"
+        seconds.append(amount * (per or 0.0))
+    compute32, compute16, comm, comm_z3, pcie, host, nvme, *overhead = seconds
+    compute = compute32 + compute16
+    exposed_z3 = max(0.0, comm_z3 - compute) if rates.overlap_z3 else comm_z3
+    terms = (("compute", compute), ("communication", comm + exposed_z3), ("offload", pcie),
+             ("host_optimizer", host), ("nvme", nvme), ("overhead", sum(overhead)))
+    total = sum(t for _, t in terms)
+    if total <= 0:
+        return f"unknown: the rates give no time ({rates.source})"
+    return StepTime(terms_s=terms, total_s=total, tokens_per_s=job.tokens * ranks / total, source=rates.source)
+
+
+def predict_candidate(*, candidate: Candidate, model: TransformerModel, hardware: HardwareSpec,
+                      training: TrainingSpec, rates: Rates | None = None) -> StepTime | str:
+    """:func:`predict` for a candidate, at ``rates`` (default: the hardware profile's)."""
+    job = work(candidate=candidate, model=model, hardware=hardware, training=training)
+    return predict(job=job, rates=rates or profile_rates(hardware=hardware), ranks=hardware.world_size)

@@ -1,0 +1,98 @@
+"""Render a trial result beside the ledger's prediction: a table for people, JSON for programs (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from optimizer.ledger.core import Ledger
+from optimizer.results.trial_result import Outcome, TrialResult
+
+MB = 10**6
+
+
+def trial_json(*, result: TrialResult, ledger: Ledger | None, tolerance: float, trial_dir: str,
+               study: str) -> dict[str, Any]:
+    """One JSON object: the outcome, the four results, the ledger's prediction."""
+    per_rank_predicted = None
+    if ledger is not None:
+        per_rank_predicted = (ledger.host_bytes // ledger.ranks_per_node) if ledger.device_is_host \
+            else ledger.per_gpu()["total"]
+    return {
+        "study": study,
+        "candidate": None if ledger is None else ledger.candidate.knobs(),
+        "outcome": result.outcome.value,
+        "message": result.message,
+        "peak_memory_bytes": result.peak_memory_bytes,
+        "peak_reserved_bytes": result.peak_reserved_bytes,
+        "peak_rss_bytes": result.peak_rss_bytes,
+        "per_rank_peak_bytes": [r.peak_allocated_bytes for r in result.ranks],
+        "init_peak_memory_bytes": result.init_peak_memory_bytes,
+        "init_peak_reserved_bytes": result.init_peak_reserved_bytes,
+        "predicted_init_bytes": None if ledger is None else ledger.init_bytes,
+        "training_peak_memory_bytes": result.training_peak_memory_bytes,
+        "training_peak_reserved_bytes": result.training_peak_reserved_bytes,
+        "predicted_training_bytes": None if ledger is None else ledger.training_bytes,
+        "skipped_steps": result.skipped_steps,
+        "applied": list(result.applied),
+        "loss_scales": list(result.loss_scales),
+        "construction": next((r.construction for r in result.ranks), None),
+        "init_s": result.init_s,
+        "step_time_s": result.step_time_s,
+        "tokens_per_s": result.tokens_per_s,
+        "losses": list(result.losses),
+        "grad_norms": list(result.grad_norms),
+        "loss_fidelity": result.loss_fidelity,
+        "fidelity_tolerance": tolerance,
+        "fidelity_ok": None if result.loss_fidelity is None else result.loss_fidelity <= tolerance,
+        "predicted": None if ledger is None else ledger.per_gpu()["total"],
+        "predicted_rank_bytes": per_rank_predicted,
+        "predicted_fits": None if ledger is None else ledger.fits,
+        "wall_s": result.wall_s,
+        "trial_dir": trial_dir,
+        "log_tail": result.log_tail,
+    }
+
+
+def _mb(value: int | None) -> str:
+    return "-" if value is None else f"{value / MB:.3f} MB"
+
+
+def trial_table(data: dict[str, Any]) -> str:
+    """The four results, with the ledger's prediction beside the measured peak."""
+    lines = [f"study {data['study']} · candidate {data['candidate']}", f"outcome: {data['outcome']}"]
+    if data["outcome"] != Outcome.OK.value:
+        lines += [f"why: {data['message']}", "", "log tail:", data["log_tail"].rstrip()[-2000:],
+                  "", f"files: {data['trial_dir']}"]
+        return "\n".join(lines)
+    fidelity = data["loss_fidelity"]
+    fid_text = "no reference" if fidelity is None else (
+        f"{fidelity:.2e} (tolerance {data['fidelity_tolerance']:.0e}: {'ok' if data['fidelity_ok'] else 'EXCEEDED'})")
+    lines += [
+        "",
+        "1. peak memory per rank (MB = 10^6 bytes)",
+        f"   measured  allocated peak (max over ranks): {_mb(data['peak_memory_bytes'])}"
+        f"   per rank: {', '.join(_mb(v) for v in data['per_rank_peak_bytes'])}",
+        f"   measured  reserved peak: {_mb(data['peak_reserved_bytes'])}   process peak RSS: "
+        f"{_mb(data['peak_rss_bytes'])}",
+        f"   predicted per-GPU total: {_mb(data['predicted'])}"
+        + ("" if data["predicted_rank_bytes"] == data["predicted"] else
+           f"   per CPU rank incl. host items: {_mb(data['predicted_rank_bytes'])}"),
+        f"   init phase (model built: {data['construction']}; + deepspeed.initialize): measured "
+        f"{_mb(data['init_peak_memory_bytes'])} (reserved {_mb(data['init_peak_reserved_bytes'])}), predicted "
+        f"{_mb(data['predicted_init_bytes'])}",
+        f"   training alone: measured {_mb(data['training_peak_memory_bytes'])} (reserved "
+        f"{_mb(data['training_peak_reserved_bytes'])}), predicted {_mb(data['predicted_training_bytes'])}",
+        "2. speed",
+        f"   step time {data['step_time_s']:.4f} s (median of measured steps, slowest rank); "
+        f"{data['tokens_per_s']:,.0f} tokens/s; init {data['init_s'] or 0:.2f} s (construction + initialize, "
+        "slowest rank)",
+        "3. loss and gradient sanity",
+        "   losses: " + ", ".join(f"{x:.5f}" for x in data["losses"]),
+        "   grad norms: " + ", ".join("-" if g is None else f"{g:.4f}" for g in data["grad_norms"]),
+        *([f"   fp16 overflows: {data['skipped_steps']} step(s) skipped and replayed, not timed; loss scale "
+           + ", ".join("-" if x is None else f"{x:g}" for x in data["loss_scales"])] if data["skipped_steps"] else []),
+        f"4. agreement with the FP32 baseline: {fid_text}",
+        "",
+        f"files: {data['trial_dir']} (ds_config.json, plan.json, log.txt, result.json)",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,238 @@
+"""Typed trial results and the pure arithmetic on them: outcome, aggregation over ranks, loss fidelity.
+
+A trial's four results are the seed's: per-card peak memory (allocated and reserved), step time and
+throughput, loss and gradient sanity, and agreement with an FP32 baseline (loss fidelity). A failing
+trial is data: it carries its :class:`Outcome` and the tail of its log.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from optimizer.results.host_oom import HostMemoryEvidence, host_oom_reason
+from optimizer.results.loss_scaling import reference_indices
+
+
+class Outcome(StrEnum):
+    """How a trial ended."""
+
+    OK = "ok"
+    OOM = "oom"
+    OOM_HOST = "oom_host"  # host memory: a failed host allocation on CUDA ranks, or the kernel's OOM killer
+    NAN = "nan"
+    UNSUPPORTED = "unsupported"
+    TIMEOUT = "timeout"
+    CRASH = "crash"
+    INVALID = "invalid"
+
+
+# When ranks disagree, the most specific failure wins: an OOM on one rank is the cause of the
+# others being torn down (they then report nothing, or a crash).
+_PRIORITY = (Outcome.OOM, Outcome.OOM_HOST, Outcome.UNSUPPORTED, Outcome.NAN, Outcome.CRASH)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankMeasurement:
+    """What one rank measured."""
+
+    rank: int
+    """Global rank."""
+    peak_allocated_bytes: int | None
+    """CUDA ``max_memory_allocated``; CPU ranks: the live-tensor peak from the profiler."""
+    peak_reserved_bytes: int | None
+    """CUDA ``max_memory_reserved``; None on CPU ranks (no caching allocator)."""
+    peak_rss_bytes: int
+    """The process's peak resident set size."""
+    step_times_s: tuple[float, ...]
+    """Wall time of each measured optimizer step (the step's batches are built before its clock starts)."""
+    init_s: float | None = None
+    """Wall time of the init phase: model construction + ``deepspeed.initialize`` (s)."""
+    init_peak_allocated_bytes: int | None = None
+    """The allocated (CPU ranks: live-tensor) peak of the init phase alone."""
+    build_peak_allocated_bytes: int | None = None
+    """The allocated (CPU ranks: live-tensor) peak while the model was built, before ``deepspeed.initialize``."""
+    init_peak_reserved_bytes: int | None = None
+    """The CUDA reserved peak of the init phase alone; None on CPU ranks."""
+    construction: str | None = None
+    """How the model was built: ``zero_init``, ``device`` or ``full`` (:mod:`launchers.workloads.construction`)."""
+    built_partitioned: bool | None = None
+    """Whether the parameters were ZeRO-3 partitioned as they were built (``zero.Init`` took effect)."""
+    training_peak_allocated_bytes: int | None = None
+    """The allocated (CPU ranks: live-tensor) peak of training alone, after the init phase."""
+    training_peak_reserved_bytes: int | None = None
+    """The CUDA reserved peak of training alone (the pool init left cached included); None on CPU ranks."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrialResult:
+    """One candidate, run for real: the outcome and, when ok, the measurements."""
+
+    outcome: Outcome
+    """How it ended."""
+    ranks: tuple[RankMeasurement, ...] = ()
+    """Per-rank measurements (ok trials)."""
+    losses: tuple[float, ...] = ()
+    """Loss of every optimizer step (warm-up included), mean over ranks and micro-batches."""
+    grad_norms: tuple[float | None, ...] = ()
+    """Global gradient norm after every step (None where DeepSpeed reports none)."""
+    applied: tuple[bool, ...] = ()
+    """Per attempted step: whether its update was applied (False: an fp16 overflow, skipped and replayed);
+    empty when every step was applied (results recorded before this was measured)."""
+    loss_scales: tuple[float | None, ...] = ()
+    """The fp16 loss scale after each attempted step (None outside fp16)."""
+    step_time_s: float | None = None
+    """Median over measured steps of the slowest rank's step time (s)."""
+    tokens_per_s: float | None = None
+    """Global batch × sequence length / step time."""
+    loss_fidelity: float | None = None
+    """Largest relative deviation of the per-step losses from the FP32 reference (None: no reference)."""
+    message: str = ""
+    """For failures: what went wrong (exception type and text, or the launcher's reason)."""
+    log_tail: str = ""
+    """For failures: the end of the combined log."""
+    wall_s: float = 0.0
+    """Wall time of the whole launch (s)."""
+
+    def _rank_max(self, field: str) -> int | float | None:
+        values = [v for r in self.ranks if (v := getattr(r, field)) is not None]
+        return max(values) if values else None
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        """Max over ranks of the peak allocated (CPU: live-tensor) bytes."""
+        return self._rank_max("peak_allocated_bytes")  # type: ignore[return-value]
+
+    @property
+    def peak_reserved_bytes(self) -> int | None:
+        """Max over ranks of the CUDA reserved peak (None on CPU ranks)."""
+        return self._rank_max("peak_reserved_bytes")  # type: ignore[return-value]
+
+    @property
+    def init_peak_memory_bytes(self) -> int | None:
+        """Max over ranks of the init phase's allocated (CPU: live-tensor) peak."""
+        return self._rank_max("init_peak_allocated_bytes")  # type: ignore[return-value]
+
+    @property
+    def training_peak_memory_bytes(self) -> int | None:
+        """Max over ranks of training's allocated (CPU: live-tensor) peak; the whole run's when not measured apart."""
+        value = self._rank_max("training_peak_allocated_bytes")
+        return self.peak_memory_bytes if value is None else value  # type: ignore[return-value]
+
+    @property
+    def training_peak_reserved_bytes(self) -> int | None:
+        """Max over ranks of training's CUDA reserved peak (None on CPU ranks)."""
+        return self._rank_max("training_peak_reserved_bytes")  # type: ignore[return-value]
+
+    @property
+    def init_peak_reserved_bytes(self) -> int | None:
+        """Max over ranks of the init phase's CUDA reserved peak (None on CPU ranks)."""
+        return self._rank_max("init_peak_reserved_bytes")  # type: ignore[return-value]
+
+    def training_device_bytes(self, *, device_reserve_bytes: int) -> int | None:
+        """What training needs of one device: its reserved peak (CPU ranks: live tensors) + the device reserve
+        (CUDA context, NCCL) — the memory that runs out, the study's memory objective."""
+        peak = self.training_peak_reserved_bytes or self.training_peak_memory_bytes
+        return None if peak is None else peak + device_reserve_bytes
+
+    def init_device_bytes(self, *, device_reserve_bytes: int) -> int | None:
+        """What the init phase needs of one device: its reserved (CPU: live-tensor) peak + the device reserve."""
+        peak = self.init_peak_reserved_bytes or self.init_peak_memory_bytes
+        return None if peak is None else peak + device_reserve_bytes
+
+    @property
+    def skipped_steps(self) -> int:
+        """Attempted steps whose update was skipped (fp16 overflows)."""
+        return sum(1 for was_applied in self.applied if not was_applied)
+
+    @property
+    def init_s(self) -> float | None:
+        """The slowest rank's init time (model construction + ``deepspeed.initialize``), s."""
+        return self._rank_max("init_s")
+
+    @property
+    def peak_rss_bytes(self) -> int | None:
+        """Max over ranks of the process peak RSS."""
+        return self._rank_max("peak_rss_bytes")  # type: ignore[return-value]
+
+
+def loss_fidelity(losses: Sequence[float], reference: Sequence[float], applied: Sequence[bool] = ()) -> float:
+    """max_i |loss_i − ref_j| / |ref_j| where j is the number of updates applied before attempt i (i itself
+    when every step was applied): the same batch after the same number of updates, by construction
+    (:func:`optimizer.results.loss_scaling.reference_indices`)."""
+    indices = reference_indices(applied) if applied else list(range(len(losses)))
+    if applied and len(applied) != len(losses):
+        raise ValueError(f"{len(applied)} applied flags for {len(losses)} losses")
+    if not losses or (not applied and len(losses) != len(reference)) or max(indices) >= len(reference):
+        raise ValueError(f"cannot compare {len(losses)} losses with {len(reference)} reference losses")
+    return max(abs(a - reference[j]) / abs(reference[j]) if reference[j] else abs(a - reference[j])
+               for a, j in zip(losses, indices, strict=True))
+
+
+def summarize(
+    *,
+    rank_reports: Mapping[int, Mapping[str, Any]],
+    world_size: int,
+    returncode: int | None,
+    timed_out: bool,
+    tokens_per_step: int,
+    reference_losses: Sequence[float] | None,
+    log_tail: str,
+    wall_s: float,
+    host_memory: HostMemoryEvidence | None = None,
+) -> TrialResult:
+    """Turn the ranks' reports and the launcher's exit into one :class:`TrialResult`.
+
+    ``rank_reports`` maps rank → the JSON each rank wrote (missing ranks wrote nothing, e.g. killed);
+    ``host_memory``: what the launcher saw of host memory — ranks the kernel's OOM killer ended are
+    ``oom_host``, not ``crash`` (:func:`optimizer.results.host_oom.host_oom_reason`), as are the peers that crashed
+    when they went.
+    """
+    statuses = {report.get("status") for report in rank_reports.values()}
+    failures = [o for o in _PRIORITY if o.value in statuses]
+    missing = sorted(set(range(world_size)) - set(rank_reports))
+    host_oom = host_oom_reason(returncode=returncode, missing_ranks=missing, evidence=host_memory)
+    if failures and not (failures[0] is Outcome.CRASH and host_oom):
+        worst = failures[0]
+        report = next(r for r in rank_reports.values() if r.get("status") == worst.value)
+        return TrialResult(outcome=worst, message=f"rank {report.get('rank')}: {report.get('error_type')}: "
+                           f"{report.get('message', '')}", log_tail=log_tail, wall_s=wall_s)
+    if host_oom:
+        return TrialResult(outcome=Outcome.OOM_HOST, message=host_oom, log_tail=log_tail, wall_s=wall_s)
+    if timed_out:
+        return TrialResult(outcome=Outcome.TIMEOUT, message="the launch ran past its timeout and was killed",
+                           log_tail=log_tail, wall_s=wall_s)
+    if returncode != 0 or len(rank_reports) != world_size or statuses != {"ok"}:
+        return TrialResult(outcome=Outcome.CRASH, log_tail=log_tail, wall_s=wall_s,
+                           message=f"launcher exit code {returncode}; ranks without a report: {missing}")
+    ranks = tuple(
+        RankMeasurement(rank=r, peak_allocated_bytes=rep["peak_allocated_bytes"],
+                        peak_reserved_bytes=rep["peak_reserved_bytes"], peak_rss_bytes=rep["peak_rss_bytes"],
+                        step_times_s=tuple(rep["step_times_s"]), init_s=rep.get("init_s"),
+                        init_peak_allocated_bytes=rep.get("init_peak_allocated_bytes"),
+                        init_peak_reserved_bytes=rep.get("init_peak_reserved_bytes"),
+                        build_peak_allocated_bytes=rep.get("build_peak_allocated_bytes"),
+                        construction=rep.get("construction"), built_partitioned=rep.get("built_partitioned"),
+                        training_peak_allocated_bytes=rep.get("training_peak_allocated_bytes"),
+                        training_peak_reserved_bytes=rep.get("training_peak_reserved_bytes"))
+        for r, rep in sorted(rank_reports.items())
+    )
+    losses = tuple(rank_reports[0]["losses"])
+    applied = tuple(bool(a) for a in rank_reports[0].get("applied", ()))
+    if all(applied):
+        applied = ()  # every step applied: nothing to say
+    per_step = [max(times) for times in zip(*(r.step_times_s for r in ranks), strict=True)]
+    step_time = statistics.median(per_step) if per_step else None
+    fidelity = None if reference_losses is None else loss_fidelity(losses, reference_losses, applied)
+    if not all(math.isfinite(x) for x in losses):  # the ranks raise first; kept as a guard
+        return TrialResult(outcome=Outcome.NAN, losses=losses, message="non-finite loss", wall_s=wall_s)
+    return TrialResult(
+        outcome=Outcome.OK, ranks=ranks, losses=losses, grad_norms=tuple(rank_reports[0]["grad_norms"]),
+        applied=applied, loss_scales=tuple(rank_reports[0].get("loss_scales", ())),
+        step_time_s=step_time, tokens_per_s=(tokens_per_step / step_time) if step_time else None,
+        loss_fidelity=fidelity, wall_s=wall_s,
+    )

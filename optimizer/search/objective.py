@@ -1,0 +1,464 @@
+"""The study: Optuna multi-objective search with ledger pruning, reuse and an FP32 fidelity constraint.
+
+Objectives: minimise the memory training measured per device — its reserved peak on CUDA (live tensors on CPU
+ranks, less the ledger's host items: one memory holds both there) + the device reserve, the memory that runs
+out, init left out — and maximise throughput (tokens/s). A run whose measured device share (training or init)
+exceeds the per-device budget is outcome ``oom`` like a run that ran out of memory (:func:`over_budget`). Each
+sampled candidate goes through the ledger first; an invalid or predicted-not-to-fit candidate is never
+launched — it is recorded as PRUNED with the ledger's breakdown and reason in the trial's user attributes.
+A candidate predicted to fit but too close to the budget for what the study has measured of its ledger is
+*held* (PRUNED with ``held`` set, not final: :func:`optimizer.search.ordering.launchable`, the launch margin).
+A candidate already measured in the study is not launched again: its values are reused. Loss fidelity
+is a constraint (``trial.set_constraint``, ≤ 0 feasible: fidelity − tolerance of the precision), and so is
+the measured init phase (its reserved peak + device reserve over the device's capacity, relative). A trial
+that ends in ``oom``/``nan``/``crash``/``timeout``/``unsupported`` is recorded as FAIL with its outcome, so it
+never reaches the front (``study.best_trials`` is Optuna's feasible Pareto front).
+
+The search space maps to Optuna distributions with one parameter name per branch — Optuna rejects a
+categorical whose choices change under one name — so only DeepSpeed-valid combinations are sampled:
+``zero_stage``; ``offload_optimizer_z{stage}`` with the devices that stage allows; ``offload_param_z3``
+at stage 3; ``precision`` (those the hardware supports); ``checkpointing``; ``micro_batch_size`` (those that
+divide the global batch). A knob with one possible value is not sampled.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import optuna
+
+from optimizer.ledger.core import Verdict, evaluate
+from optimizer.ledger.items import Location
+from optimizer.ledger.report import ledger_json
+from optimizer.results.trial_result import Outcome, TrialResult
+from optimizer.search.coordination import (
+    WORKER_ATTR,
+    ClaimOutcome,
+    Pause,
+    budget_spent,
+    now_utc,
+    running_elsewhere,
+    try_claim,
+)
+from optimizer.search.ordering import (
+    StudyModels,
+    calibrated_verdict_fits,
+    launchable,
+    memory_family,
+    memory_group,
+    predicted_speed,
+    study_models,
+)
+from optimizer.search.storage import open_storage, storage_error
+from optimizer.study.cluster_settings import BudgetSettings
+from optimizer.study.errors import UserError
+from optimizer.study.knobs import Candidate, OffloadDevice, ZeroStage, parse_knob
+from optimizer.study.specs import baseline_candidate
+from optimizer.study.study_file import StudySpec
+
+RETRIED = (Outcome.CRASH, Outcome.TIMEOUT)
+"""Outcomes that may be transient (a port race, an NCCL hiccup, a co-tenant): launched again up to
+``trial.retries`` times before they stand. OOM, NaN and unsupported are properties of the candidate."""
+DIRECTIONS = ("minimize", "maximize")
+"""(training's device memory: reserved peak + device reserve, bytes; tokens per second)."""
+SEED_ENQUEUE = 3
+"""How many of the ledger's most promising candidates are enqueued when a study is created."""
+
+
+class TrialFailed(Exception):
+    """A launched trial ended in oom, nan, crash, timeout or unsupported: Optuna records it as FAIL."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Branches:
+    """The values each knob may take, per ZeRO stage where DeepSpeed restricts them."""
+
+    stages: tuple[ZeroStage, ...]
+    offload_optimizer: dict[ZeroStage, tuple[OffloadDevice, ...]]
+    offload_param: tuple[OffloadDevice, ...]
+    precision: tuple[str, ...]
+    checkpointing: tuple[str, ...]
+    micro_batch_size: tuple[int, ...]
+
+
+def branches(study: StudySpec) -> Branches:
+    """Restrict the study's space to what DeepSpeed and the study allow; UserError if nothing is left."""
+    base = baseline_candidate(study.training)
+    values = dict(study.search_space.values)
+
+    def listed(name: str, default: object) -> tuple:
+        return tuple(values.get(name, (default,)))
+
+    def allowed_offload(stage: ZeroStage) -> tuple[OffloadDevice, ...]:
+        options = listed("offload_optimizer", base.offload_optimizer)
+        ok = {ZeroStage.DISABLED: {OffloadDevice.NONE}, ZeroStage.OPTIMIZER: {OffloadDevice.NONE, OffloadDevice.CPU},
+              ZeroStage.GRADIENTS: {OffloadDevice.NONE, OffloadDevice.CPU}}.get(stage, set(OffloadDevice))
+        return tuple(o for o in options if o in ok and (o is not OffloadDevice.NVME or study.hardware.nvme_path))
+
+    stages = tuple(s for s in listed("zero_stage", base.zero_stage) if allowed_offload(s))
+    params = tuple(o for o in listed("offload_param", base.offload_param)
+                   if o is not OffloadDevice.NVME or study.hardware.nvme_path)
+    if ZeroStage.PARAMETERS in stages and not params:
+        stages = tuple(s for s in stages if s is not ZeroStage.PARAMETERS)
+    if ZeroStage.PARAMETERS not in stages:
+        params = (OffloadDevice.NONE,)
+    precisions = tuple(str(p) for p in listed("precision", base.precision) if p in study.hardware.supported_precisions)
+    ranks = study.hardware.world_size
+    mbs = tuple(m for m in listed("micro_batch_size", base.micro_batch_size)
+                if study.training.global_batch_size % (m * ranks) == 0)
+    ckpt = tuple(str(c) for c in listed("checkpointing", base.checkpointing))
+    result = Branches(stages=stages, offload_optimizer={s: allowed_offload(s) for s in stages},
+                      offload_param=params, precision=precisions, checkpointing=ckpt, micro_batch_size=mbs)
+    empty = [name for name, value in (("zero_stage", stages), ("precision", precisions),
+                                      ("micro_batch_size", mbs)) if not value]
+    if empty:
+        raise UserError(source=study.search_space.source, key=f"knobs.{empty[0]}",
+                        why="no value left that DeepSpeed and this study's hardware/batch allow: the search space "
+                            "is empty after validation")
+    return result
+
+
+def _pick(trial: optuna.Trial, name: str, choices: Sequence[Any]) -> Any:
+    return choices[0] if len(choices) == 1 else trial.suggest_categorical(name, list(choices))
+
+
+def sample_candidate(trial: optuna.Trial, space: Branches, base: Candidate) -> Candidate:
+    """One DeepSpeed-valid candidate, conditional knobs under their own parameter names."""
+    stage = ZeroStage(_pick(trial, "zero_stage", [int(s) for s in space.stages]))
+    optimizer = OffloadDevice(_pick(trial, f"offload_optimizer_z{int(stage)}",
+                                    [o.value for o in space.offload_optimizer[stage]]))
+    param = OffloadDevice(_pick(trial, "offload_param_z3", [o.value for o in space.offload_param])) \
+        if stage is ZeroStage.PARAMETERS else OffloadDevice.NONE
+    return replace(
+        base, zero_stage=stage, offload_optimizer=optimizer, offload_param=param,
+        precision=parse_knob("precision", _pick(trial, "precision", list(space.precision))),
+        checkpointing=parse_knob("checkpointing", _pick(trial, "checkpointing", list(space.checkpointing))),
+        micro_batch_size=_pick(trial, "micro_batch_size", list(space.micro_batch_size)),
+    )
+
+
+def distribution_params(candidate: Candidate, space: Branches) -> dict[str, Any]:
+    """The Optuna parameters that make ``sample_candidate`` return ``candidate`` (for enqueueing)."""
+    params: dict[str, Any] = {}
+    stage = candidate.zero_stage
+    if len(space.stages) > 1:
+        params["zero_stage"] = int(stage)
+    if len(space.offload_optimizer[stage]) > 1:
+        params[f"offload_optimizer_z{int(stage)}"] = candidate.offload_optimizer.value
+    if stage is ZeroStage.PARAMETERS and len(space.offload_param) > 1:
+        params["offload_param_z3"] = candidate.offload_param.value
+    for name, choices, value in (("precision", space.precision, str(candidate.precision)),
+                                 ("checkpointing", space.checkpointing, str(candidate.checkpointing)),
+                                 ("micro_batch_size", space.micro_batch_size, candidate.micro_batch_size)):
+        if len(choices) > 1:
+            params[name] = value
+    return params
+
+
+def candidate_key(candidate: Candidate) -> str:
+    """A stable identity for 'already measured': the knobs as sorted JSON."""
+    return json.dumps(candidate.knobs(), sort_keys=True)
+
+
+def promise(verdict: Verdict) -> tuple:
+    """Ordering of fitting candidates when the throughput model lacks a figure (no hardware profile, no
+    calibration yet): no offload, no recomputation, low ZeRO stage (less communication), 16-bit, large
+    micro-batch."""
+    c = verdict.candidate
+    offloads = (c.offload_optimizer is not OffloadDevice.NONE) + (c.offload_param is not OffloadDevice.NONE)
+    recompute = {"none": 0, "selective": 1}.get(str(c.checkpointing), 2)
+    return (offloads, recompute, int(c.zero_stage), str(c.precision) == "fp32", -c.micro_batch_size)
+
+
+def seed_study(study: optuna.Study, spec: StudySpec, space: Branches) -> int:
+    """Enqueue the most promising fitting candidates (:func:`order_key` with the uncalibrated models), once per
+    study (a study attribute guards it)."""
+    if study.user_attrs.get("dsopt_seeded"):
+        return 0
+    base = baseline_candidate(spec.training)
+    verdicts = [evaluate(candidate=c, model=spec.model, hardware=spec.hardware, training=spec.training)
+                for c in spec.search_space.candidates(base)]
+    models = study_models(spec=spec, trials=[], base=base)
+    fitting = sorted((v for v in verdicts if in_space(v.candidate, space) and launchable(
+        v, models=models, key=candidate_key(v.candidate), budget_bytes=spec.hardware.gpu_memory_bytes)),
+                     key=lambda v: order_key(v, spec=spec, models=models))
+    for verdict in fitting[:SEED_ENQUEUE]:
+        study.enqueue_trial(distribution_params(verdict.candidate, space), skip_if_exists=True,
+                            user_attrs={"enqueued_by": "seed"})
+    study.set_user_attr("dsopt_seeded", True)
+    return min(len(fitting), SEED_ENQUEUE)
+
+
+def in_space(candidate: Candidate, space: Branches) -> bool:
+    return (candidate.zero_stage in space.stages
+            and candidate.offload_optimizer in space.offload_optimizer[candidate.zero_stage]
+            and candidate.offload_param in space.offload_param
+            and str(candidate.precision) in space.precision
+            and str(candidate.checkpointing) in space.checkpointing
+            and candidate.micro_batch_size in space.micro_batch_size)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchGate:
+    """What a launch must pass when several workers share the study (see :mod:`optimizer.search.coordination`)."""
+
+    budget: BudgetSettings = field(default_factory=BudgetSettings)
+    """The study's global budget."""
+    worker: str = "local"
+    """This worker's name (recorded on every trial)."""
+    created_at: str | None = None
+    """When the study was set up (origin of ``budget.max_hours``)."""
+    pause: Pause = field(default_factory=Pause)
+    """Random pause between claim attempts and while another worker runs the same candidate."""
+    fail_stale: Callable[[optuna.Study], None] | None = None
+    """Fails trials whose worker died (Optuna's heartbeat), so that waiting on them ends."""
+
+
+def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candidate], TrialResult],
+                   artifact_dir: Callable[[Candidate], str] | None = None,
+                   gate: LaunchGate | None = None,
+                   models: Callable[[], StudyModels | None] | None = None,
+                   after_launch: Callable[[optuna.Trial], None] | None = None) -> Callable[[optuna.Trial], tuple]:
+    """The objective: invalid → prune; measured already → reuse; predicted not to fit → prune; then the launch
+    gate, then a real trial (``runner``).
+
+    ``artifact_dir`` names where a launched trial keeps its files (recorded as the ``trial_dir`` attribute);
+    ``after_launch`` is called with the trial, still running, once its launch returned (ok or not): the
+    artifact upload (:mod:`launchers.artifacts`; a finished trial can take no artifact).
+    A trial that finds the budget spent is PRUNED with ``budget_stop`` set. ``models`` gives the study's
+    calibrated models (:mod:`optimizer.search.ordering`): pruning then uses the calibrated memory prediction.
+    """
+    base = baseline_candidate(spec.training)
+    gate = gate or LaunchGate()
+
+    def objective(trial: optuna.Trial) -> tuple[float, float]:
+        candidate = sample_candidate(trial, space, base)
+        key = candidate_key(candidate)
+        trial.set_user_attr("candidate", candidate.knobs())
+        trial.set_user_attr("label", candidate.label())  # what the dashboard and the progress lines show
+        trial.set_user_attr("candidate_key", key)
+        trial.set_user_attr(WORKER_ATTR, gate.worker)
+        verdict = evaluate(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training)
+        if verdict.ledger is None:
+            trial.set_user_attr("pruned_reason", "invalid: " + "; ".join(verdict.invalid_reasons))
+            raise optuna.TrialPruned(trial.user_attrs["pruned_reason"])
+        ledger = verdict.ledger
+        trial.set_user_attr("predicted_bytes", ledger.per_gpu()["total"])
+        trial.set_user_attr("predicted_gpu_needed_bytes", ledger.gpu_needed_bytes)
+        trial.set_user_attr("predicted_training_needed_bytes", ledger.training_needed_bytes)
+        trial.set_user_attr("predicted_init_needed_bytes", ledger.init_needed_bytes)
+        trial.set_user_attr("predicted_estimated_bytes", ledger.estimated_bytes)
+        host_share = ledger.training_host_share_bytes
+        trial.set_user_attr("predicted_host_bytes", host_share)  # CPU ranks: measured with the device's
+        init_host_share = (ledger.init_bytes - ledger.init_bytes_at(Location.GPU)) if ledger.device_is_host else 0
+        trial.set_user_attr("predicted_init_host_bytes", init_host_share)
+        tolerance = spec.trial.tolerance(candidate.precision)
+        previous = _finished(trial.study, key, exclude=trial.number)
+        if previous is not None:  # measured already: its result stands, whatever the models say now
+            return _reuse(trial, previous, tolerance)
+        current = models() if models is not None else study_models(spec=spec, trials=[], base=base)
+        trial.set_user_attr("memory_factor", current.memory_factor(candidate))
+        fits = calibrated_verdict_fits(verdict, models=current, key=key, budget_bytes=ledger.gpu_capacity_bytes)
+        if fits and not launchable(verdict, models=current, key=key, budget_bytes=ledger.gpu_capacity_bytes):
+            margin = current.margin_bytes(verdict)
+            trial.set_user_attr("held", True)
+            trial.set_user_attr("launch_margin_bytes", margin)
+            trial.set_user_attr("pruned_reason", f"held: predicted to fit, but not with the launch margin "
+                                f"({margin / 1e6:,.3f} MB) free; it shrinks as the study measures its own ledger")
+            raise optuna.TrialPruned(trial.user_attrs["pruned_reason"])
+        if not fits:
+            reasons = "; ".join(ledger.verdict_reasons()) or "device need x the study's memory factor exceeds it"
+            if current.memory_factor(candidate) != 1.0:
+                reasons += f" (calibrated: x{current.memory_factor(candidate):.3f})"
+            trial.set_user_attr("pruned_reason", "does not fit: " + reasons)
+            trial.set_user_attr("ledger", ledger_json(ledger))
+            raise optuna.TrialPruned(trial.user_attrs["pruned_reason"])
+        previous = _acquire(trial, key, gate)
+        if previous is not None:
+            return _reuse(trial, previous, tolerance)
+        if artifact_dir is not None:
+            trial.set_user_attr("trial_dir", artifact_dir(candidate))
+        result = runner(candidate)
+        failed: list[dict[str, Any]] = []
+        while result.outcome in RETRIED and len(failed) < spec.trial.retries:  # maybe transient: once more
+            failed.append({"outcome": result.outcome.value, "message": result.message[-300:], "wall_s": result.wall_s})
+            trial.set_user_attr("failed_attempts", failed)
+            result = runner(candidate)
+        if after_launch is not None:
+            after_launch(trial)
+        trial.set_user_attr("attempts", len(failed) + 1)
+        trial.set_user_attr("outcome", result.outcome.value)
+        trial.set_user_attr("wall_s", result.wall_s)
+        if result.outcome is not Outcome.OK:
+            trial.set_user_attr("message", result.message[-1000:])
+            raise TrialFailed(f"{result.outcome}: {result.message[-300:]}")
+        fidelity = result.loss_fidelity if result.loss_fidelity is not None else 0.0
+        trial.set_user_attr("loss_fidelity", fidelity)
+        trial.set_user_attr("tokens_per_s", result.tokens_per_s)
+        trial.set_user_attr("peak_memory_bytes", result.peak_memory_bytes)
+        trial.set_user_attr("peak_reserved_bytes", result.peak_reserved_bytes)
+        trial.set_user_attr("step_time_s", result.step_time_s)
+        trial.set_user_attr("init_s", result.init_s)
+        trial.set_user_attr("init_peak_memory_bytes", result.init_peak_memory_bytes)
+        trial.set_user_attr("init_peak_reserved_bytes", result.init_peak_reserved_bytes)
+        trial.set_user_attr("training_peak_memory_bytes", result.training_peak_memory_bytes)
+        trial.set_user_attr("training_peak_reserved_bytes", result.training_peak_reserved_bytes)
+        trial.set_user_attr("skipped_steps", result.skipped_steps)
+        trial.set_user_attr("losses", list(result.losses))
+        reserve = spec.hardware.device_reserve_bytes
+        memory = (result.training_device_bytes(device_reserve_bytes=reserve) or 0) - host_share
+        trial.set_user_attr("device_share_bytes", memory)
+        trial.set_user_attr("memory_objective_bytes", memory)
+        init_need = (result.init_device_bytes(device_reserve_bytes=reserve) or 0) - init_host_share
+        trial.set_user_attr("init_device_share_bytes", init_need)
+        trial.set_user_attr("init_memory_excess", (init_need - ledger.gpu_capacity_bytes) / ledger.gpu_capacity_bytes)
+        over = over_budget(training_bytes=memory, init_bytes=init_need, budget_bytes=ledger.gpu_capacity_bytes)
+        if over:
+            trial.set_user_attr("outcome", Outcome.OOM.value)
+            trial.set_user_attr("message", over)
+            raise TrialFailed(f"{Outcome.OOM}: {over}")
+        _constrain(trial, fidelity=fidelity - tolerance, init_memory=trial.user_attrs["init_memory_excess"])
+        return float(memory), float(result.tokens_per_s or 0.0)
+
+    return objective
+
+
+def over_budget(*, training_bytes: int, init_bytes: int, budget_bytes: int) -> str:
+    """Why a run that ended ok is an OOM all the same, or '' when it is not: the device share it measured
+    (training, or the init phase) exceeds the per-device budget the ledger used. On a GPU that run would have
+    run out of memory, or fitted only on a bigger device than the study's; on CPU ranks "out of memory" is
+    virtual (host RAM is larger than the budget), so the study applies it."""
+    for phase, need in (("training", training_bytes), ("init", init_bytes)):
+        if need > budget_bytes:
+            return (f"measured {phase} device share {need / 1e6:.3f} MB (10^6 bytes) exceeds the per-device budget "
+                    f"{budget_bytes / 1e6:.3f} MB by {100 * (need - budget_bytes) / budget_bytes:.1f} %")
+    return ""
+
+
+def _acquire(trial: optuna.Trial, key: str, gate: LaunchGate) -> optuna.trial.FrozenTrial | None:
+    """Pass the launch gate: None when this trial may launch, or a finished trial of the same candidate to
+    reuse (another worker ran it meanwhile). Raises TrialPruned (``budget_stop``) when the budget is spent."""
+    study = trial.study
+    while True:
+        trials = study.get_trials(deepcopy=False)
+        spent = budget_spent(trials=trials, budget=gate.budget, created_at=gate.created_at, now=now_utc())
+        if spent:
+            trial.set_user_attr("budget_stop", True)
+            trial.set_user_attr("pruned_reason", f"budget spent: {spent}")
+            raise optuna.TrialPruned(trial.user_attrs["pruned_reason"])
+        outcome = try_claim(study=study, trial=trial, key=key, worker=gate.worker, budget=gate.budget)
+        if outcome is ClaimOutcome.GRANTED:
+            return None
+        if outcome is ClaimOutcome.BUSY:
+            trial.set_user_attr("waited_for_same_candidate", True)
+            while running_elsewhere(study.get_trials(deepcopy=False), key, exclude=trial.number):
+                gate.pause()
+                if gate.fail_stale is not None:
+                    gate.fail_stale(study)
+            previous = _finished(study, key, exclude=trial.number)
+            if previous is not None:
+                return previous
+        else:
+            gate.pause()
+
+
+def _reuse(trial: optuna.Trial, previous: optuna.trial.FrozenTrial, tolerance: float) -> tuple[float, float]:
+    """Record ``previous``'s result on ``trial`` instead of launching again (a failure is reused as one)."""
+    trial.set_user_attr("reused_from", previous.number)
+    for name in ("outcome", "message", "loss_fidelity", "tokens_per_s", "peak_memory_bytes", "trial_dir",
+                 "memory_objective_bytes", "device_share_bytes", "init_memory_excess"):
+        if name in previous.user_attrs:
+            trial.set_user_attr(name, previous.user_attrs[name])
+    if previous.state is optuna.trial.TrialState.FAIL:
+        raise TrialFailed(f"{previous.user_attrs['outcome']} (as trial {previous.number})")
+    _constrain(trial, fidelity=previous.user_attrs["loss_fidelity"] - tolerance,
+               init_memory=previous.user_attrs.get("init_memory_excess", 0.0))
+    return tuple(previous.values)  # type: ignore[return-value]
+
+
+def _constrain(trial: optuna.Trial, *, fidelity: float, init_memory: float) -> None:
+    """The constraints (≤ 0 feasible): loss fidelity − the precision's tolerance; the measured init phase's
+    device need (reserved peak + device reserve) − the device's capacity, relative to the capacity."""
+    trial.set_constraint("loss_fidelity", fidelity)
+    trial.set_constraint("init_memory", init_memory)
+
+
+def _finished(study: optuna.Study, key: str, *, exclude: int) -> optuna.trial.FrozenTrial | None:
+    """A trial of the same candidate with a final result: measured, or a classified failure (oom, nan, ...).
+    A trial failed because its worker died (no outcome) is not final: the candidate is launched again."""
+    for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,
+                                                           optuna.trial.TrialState.FAIL)):
+        if frozen.number == exclude or frozen.user_attrs.get("candidate_key") != key:
+            continue
+        if "loss_fidelity" in frozen.user_attrs or (frozen.state is optuna.trial.TrialState.FAIL
+                                                    and "outcome" in frozen.user_attrs):
+            return frozen
+    return None
+
+
+def open_study(*, spec: StudySpec, storage: str, sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
+    """Create or join the study on ``storage`` (a URL, see :mod:`optimizer.search.storage`); UserError if
+    unreachable."""
+    opened = open_storage(storage, workers=spec.workers)
+    try:
+        return optuna.create_study(study_name=spec.name, storage=opened, directions=list(DIRECTIONS),
+                                   load_if_exists=True, sampler=sampler)
+    except Exception as err:  # sqlalchemy / journal errors differ by backend
+        raise storage_error(storage, err) from None
+
+
+def next_candidate(*, spec: StudySpec, space: Branches, trials: list[optuna.trial.FrozenTrial],
+                   models: StudyModels, verdicts: list[Verdict]) -> Candidate | None:
+    """The model's choice for the next launch: among candidates of the space that may be launched (they fit,
+    calibrated, within the launch margin: :func:`~optimizer.search.ordering.launchable`), have no result and are not
+    queued or running, the one with the highest predicted throughput — or, while the time model has no
+    figures, the first in :func:`promise` order. When the most promising fitting candidate is *held* by the
+    margin, a launchable candidate of its memory group — else of its family (same stage and offload) — goes
+    first instead: its measurement is what earns the held one its margin. None when nothing is left."""
+    taken = {t.user_attrs.get("candidate_key") for t in trials if t.state is optuna.trial.TrialState.RUNNING}
+    queued = [t.params for t in trials if t.state is optuna.trial.TrialState.WAITING]
+    done = final_keys(trials)
+    options, held = [], []
+    for verdict in verdicts:
+        candidate = verdict.candidate
+        key = candidate_key(candidate)
+        if verdict.ledger is None or not in_space(candidate, space) or key in taken or key in done \
+                or distribution_params(candidate, space) in queued:
+            continue
+        budget = verdict.ledger.gpu_capacity_bytes
+        if launchable(verdict, models=models, key=key, budget_bytes=budget):
+            options.append((order_key(verdict, spec=spec, models=models), candidate))
+        elif calibrated_verdict_fits(verdict, models=models, key=key, budget_bytes=budget):
+            held.append((order_key(verdict, spec=spec, models=models), candidate))
+    if not options:
+        return None
+    best = min(options, key=lambda o: o[0])
+    if held and min(held, key=lambda o: o[0])[0] < best[0]:  # the most promising is held: probe its kin
+        top = min(held, key=lambda o: o[0])[1]
+        for kin in (memory_group, memory_family):
+            probes = [o for o in options if kin(o[1]) == kin(top)]
+            if probes:
+                return min(probes, key=lambda o: o[0])[1]
+    return best[1]
+
+
+def order_key(verdict: Verdict, *, spec: StudySpec, models: StudyModels) -> tuple:
+    """Most promising first: predicted throughput where the time model knows it, :func:`promise` order where
+    it does not. Once the model is calibrated, a candidate it cannot predict (it needs a figure no measured
+    trial exercised: e.g. ZeRO-0's all-reduce when only ZeRO-1/2 ran) comes *before* the predicted ones —
+    one launch teaches the model that figure, where ranking the unknown last would leave a whole branch (the
+    best, perhaps) to the sampler's chance."""
+    speed = predicted_speed(verdict.candidate, spec=spec, models=models)
+    if isinstance(speed, str):
+        return (0 if models.time_samples else 1, promise(verdict), verdict.candidate.label())
+    return (1 if models.time_samples else 0, (-speed.tokens_per_s,), verdict.candidate.label())
+
+
+def final_keys(trials: list[optuna.trial.FrozenTrial]) -> set[str]:
+    """Candidates with a final result: measured, or failed with a classified outcome."""
+    return {t.user_attrs["candidate_key"] for t in trials if "candidate_key" in t.user_attrs and (
+        (t.state is optuna.trial.TrialState.COMPLETE and "loss_fidelity" in t.user_attrs)
+        or (t.state is optuna.trial.TrialState.FAIL and "outcome" in t.user_attrs))}

@@ -1,0 +1,482 @@
+"""Typed, frozen specifications: the model, the hardware and the training setup.
+
+These are parsed once from the study file (:mod:`optimizer.study.study_file`) and passed, narrowly,
+to the pure functions that need them. Bytes are integers; GB means 10^9 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from optimizer.ledger.inventory import ParameterInventory
+from optimizer.study import limits
+from optimizer.study.knobs import (
+    Candidate,
+    Checkpointing,
+    NoCheckpointing,
+    OffloadDevice,
+    Precision,
+    ZeroStage,
+)
+
+
+def _coerce_enums(spec: object, **kinds: type[StrEnum]) -> None:
+    """Turn plain strings into the field's enum (frozen dataclass), or raise naming the field."""
+    for name, kind in kinds.items():
+        value = getattr(spec, name)
+        try:
+            object.__setattr__(spec, name, kind(value))
+        except ValueError:
+            allowed = ", ".join(member.value for member in kind)
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None
+
+
+class Accelerator(StrEnum):
+    """The device the ranks train on: CUDA GPUs, or CPU ranks (``DS_ACCELERATOR=cpu``)."""
+
+    CUDA = "cuda"
+    CPU = "cpu"
+
+
+class Optimizer(StrEnum):
+    """The training optimizer; both keep two FP32 states per parameter (Kingma & Ba 2015)."""
+
+    ADAM = "adam"
+    ADAMW = "adamw"
+
+    @property
+    def states_per_param(self) -> int:
+        """Optimizer state tensors per parameter: Adam's exp_avg and exp_avg_sq."""
+        return 2
+
+
+class AttentionKind(StrEnum):
+    """Eager attention materialises the s×s scores; fused/flash attention does not."""
+
+    EAGER = "eager"
+    FUSED = "fused"
+
+
+class MlpKind(StrEnum):
+    """GPT-2's GELU MLP (two matrices) or Llama's SwiGLU MLP (three matrices)."""
+
+    GELU = "gelu"
+    SWIGLU = "swiglu"
+
+
+class NormKind(StrEnum):
+    """LayerNorm (weight and bias) or RMSNorm (weight only)."""
+
+    LAYERNORM = "layernorm"
+    RMSNORM = "rmsnorm"
+
+
+class PositionKind(StrEnum):
+    """Learned absolute position embeddings (GPT-2) or rotary embeddings (no parameters)."""
+
+    LEARNED = "learned"
+    ROPE = "rope"
+
+
+class ActivationSource(StrEnum):
+    """Where a transformer-mode ledger takes its activation bytes from."""
+
+    FORMULA = "formula"
+    """Korthikanti et al. 2022, generalised term by term (:mod:`optimizer.ledger.transformer`)."""
+    TRACE = "trace"
+    """The study's own model run on fake tensors (:mod:`launchers.trace`), the formula where a trace failed."""
+    AUTO = "auto"
+    """The trace where the model can be traced (a study file's default), the formula with a warning elsewhere."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TracedActivation:
+    """Activation bytes of one (checkpointing, precision) as traced, at each micro-batch of the search space.
+
+    Traced at every micro-batch the space holds, so the ledger's figure is the trace's, not a fit: the
+    high-water mark is a maximum over moments of the step, each linear in b (Korthikanti et al. 2022 §4), so
+    it is piecewise linear and a two-point fit under-estimates where the peak moves (measured: −4 % for
+    gpt2-tiny, full checkpointing, b = 4 from b = 1, 2). Between or beyond traced micro-batches the two
+    nearest points are joined linearly.
+    """
+
+    checkpointing: str
+    """The granularity, as the search space spells it (``none``, ``full``, ``every_2``, ``selective``)."""
+    precision: Precision
+    """The training precision the model was traced in."""
+    points: tuple[tuple[int, int], ...] = ()
+    """(micro-batch, activation high-water mark in bytes), sorted by micro-batch."""
+    peak_phase: str = "backward"
+    """``forward`` or ``backward``: where the high-water mark was (at the largest micro-batch)."""
+    failed_op: str | None = None
+    """Set when the trace failed: the op (or error) that stopped it; the ledger then uses the formula."""
+    joint_points: tuple[tuple[int, int, int], ...] = ()
+    """(micro-batch, activations + temporaries, gradients made so far) at the moment their sum peaked: the
+    phase-aware join of activations and autograd's gradients (:mod:`launchers.trace`); empty when not traced."""
+    split_points: tuple[tuple[int, int, int], ...] = ()
+    """(micro-batch, activations' high-water mark before autograd made any gradient, … once one exists): the
+    moments ZeRO-2's gradient bucket and partition are not yet live, and those they are (:mod:`launchers.trace`);
+    empty when not traced."""
+    notes: tuple[str, ...] = ()
+    """What the trace assumed or how it was taken (MoE experts, depths extended), stated in the ledger."""
+    zero3_gathered: int = 0
+    """The most parameter elements ZeRO-3 keeps gathered at once, DeepSpeed's coordinator replayed over the
+    traced module order (:mod:`optimizer.ledger.zero3_gather`); 0 when not traced."""
+
+    def __post_init__(self) -> None:
+        _coerce_enums(self, precision=Precision)
+        object.__setattr__(self, "points", tuple(sorted((int(b), int(n)) for b, n in self.points)))
+        object.__setattr__(self, "joint_points",
+                           tuple(sorted((int(b), int(w), int(g)) for b, w, g in self.joint_points)))
+        object.__setattr__(self, "split_points",
+                           tuple(sorted((int(b), int(u), int(g)) for b, u, g in self.split_points)))
+        object.__setattr__(self, "notes", tuple(str(n) for n in self.notes))
+        if self.failed_op is None and not self.points:
+            raise ValueError("a traced activation needs at least one (micro-batch, bytes) point")
+
+    def bytes_at(self, micro_batch: int) -> int:
+        """Activation high-water mark at ``micro_batch`` samples: traced, or joined from the nearest two."""
+        return _joined(self.points, micro_batch)
+
+    def joint_at(self, micro_batch: int) -> tuple[int, int] | None:
+        """(activations, gradients so far) at the joint peak for ``micro_batch`` samples, as :meth:`bytes_at`
+        joins points; None without joint points."""
+        if not self.joint_points:
+            return None
+        working = _joined(tuple((b, w) for b, w, _ in self.joint_points), micro_batch)
+        grads = _joined(tuple((b, g) for b, _, g in self.joint_points), micro_batch)
+        return working, grads
+
+
+    def split_at(self, micro_batch: int) -> tuple[int, int] | None:
+        """(activations before the first gradient, activations after it) for ``micro_batch`` samples, as
+        :meth:`bytes_at` joins points; None without split points."""
+        if not self.split_points:
+            return None
+        return (_joined(tuple((b, u) for b, u, _ in self.split_points), micro_batch),
+                _joined(tuple((b, g) for b, _, g in self.split_points), micro_batch))
+
+
+def _joined(points: tuple[tuple[int, int], ...], micro_batch: int) -> int:
+    """The value at ``micro_batch``: a traced point's, else the line through the nearest two (one point: in
+    proportion to the micro-batch)."""
+    exact = dict(points)
+    if micro_batch in exact:
+        return exact[micro_batch]
+    if len(points) == 1:
+        b, n = points[0]
+        return -(-n * micro_batch // b)
+    below = [p for p in points if p[0] < micro_batch]
+    above = [p for p in points if p[0] > micro_batch]
+    (b0, n0), (b1, n1) = (below[-1], above[0]) if below and above else \
+        (points[-2], points[-1]) if below else (points[0], points[1])
+    return max(0, round(n0 + (n1 - n0) * (micro_batch - b0) / (b1 - b0)))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SeedModel:
+    """A model given by explicit numbers, as in the seed document (``../shared/seeds/``).
+
+    Parameters, activation bytes per checkpointing option and buffer bytes are stated, not
+    derived. Activation figures are per GPU at the study's baseline micro-batch and in
+    ``activation_precision``; the ledger scales them linearly in the micro-batch
+    (Korthikanti et al. 2022: every activation term is linear in b) and by element size.
+    """
+
+    parameters: int
+    """Trainable parameters (count)."""
+    activation_bytes: dict[str, int]
+    """Checkpointing option (``none``, ``full``, ``every_K``, ``selective``) → activation bytes per GPU."""
+    activation_precision: Precision = Precision.FP32
+    """Precision the activation figures were stated in."""
+    buffer_bytes: int = 0
+    """Working buffers per GPU (communication, framework, workspace), stated, constant."""
+
+    def __post_init__(self) -> None:
+        _coerce_enums(self, activation_precision=Precision)
+        if self.parameters < 1:
+            raise ValueError(f"parameters must be >= 1, got {self.parameters}")
+        if "none" not in self.activation_bytes:
+            raise ValueError("activation_bytes must give the 'none' (no checkpointing) figure")
+
+    def activation_bytes_for(self, checkpointing: Checkpointing) -> int | None:
+        """Stated activation bytes for ``checkpointing``, or None when the study gives none."""
+        return self.activation_bytes.get(str(checkpointing))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransformerModel:
+    """A decoder-only transformer given by its shape; parameters and activations are derived."""
+
+    layers: int
+    """Transformer blocks (L)."""
+    hidden_size: int
+    """Model width (h)."""
+    heads: int
+    """Attention heads (a)."""
+    kv_heads: int
+    """Key/value heads (grouped-query attention when < heads)."""
+    ffn_size: int
+    """MLP inner width (f); 4h for GPT-2."""
+    vocab_size: int
+    """Vocabulary size (V)."""
+    tied_embeddings: bool = True
+    """Output projection shares the token-embedding matrix."""
+    attention: AttentionKind = AttentionKind.EAGER
+    """Eager (stores the s×s scores) or fused/flash attention."""
+    mlp: MlpKind = MlpKind.GELU
+    """MLP kind."""
+    norm: NormKind = NormKind.LAYERNORM
+    """Normalisation kind."""
+    bias: bool = True
+    """Linear layers carry biases (GPT-2: yes; Llama: no)."""
+    position_embedding: PositionKind = PositionKind.LEARNED
+    """Learned absolute positions (parameters) or rotary (none)."""
+    dropout: bool = True
+    """Dropout layers are present, so 1-byte masks are kept for backward."""
+    max_positions: int = 1024
+    """Rows of the learned position table (the study's sequence length unless given)."""
+    entry_point: str | None = None
+    """``module:function`` building the user's own model for trials (see launchers/workloads/builtin.py); the ledger
+    still uses the shape above."""
+    hf_config: str | None = None
+    """A Hugging Face ``transformers`` config as canonical JSON (:mod:`optimizer.study.hf_config`): trials and traces
+    build that class; the shape above was read from it."""
+    activations: ActivationSource = ActivationSource.FORMULA
+    """Where the ledger's activation bytes come from."""
+    traced_activations: tuple[TracedActivation, ...] = ()
+    """Filled by :func:`launchers.trace.with_traced_activations` when ``activations`` is ``trace`` or ``auto``."""
+    inventory: ParameterInventory | None = None
+    """Every parameter as the model's own code builds it (:mod:`optimizer.ledger.inventory`), filled by
+    :func:`launchers.inventory.with_inventory` for ``hf_config`` and ``entry_point`` models; when set, the
+    ledger's parameter counts come from it instead of the shape's layout."""
+
+    def __post_init__(self) -> None:
+        _coerce_enums(self, attention=AttentionKind, mlp=MlpKind, norm=NormKind, position_embedding=PositionKind,
+                      activations=ActivationSource)
+        for name in ("layers", "hidden_size", "heads", "kv_heads", "ffn_size", "vocab_size", "max_positions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, (limit, what) in limits.MODEL_LIMITS.items():
+            limits.check_count(name, getattr(self, name), limit, what)
+        if self.hidden_size % self.heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by heads ({self.heads})")
+        if self.kv_heads > self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
+        if self.entry_point is not None and self.hf_config is not None:
+            raise ValueError("give either entry_point or hf_config, not both: each says how trials build the model")
+
+    @property
+    def counted_from_code(self) -> bool:
+        """Built by code the shape does not describe (a transformers config or an entry point) and not yet
+        counted: its parameter inventory is to be taken (:func:`launchers.inventory.with_inventory`)."""
+        return self.inventory is None and bool(self.hf_config or self.entry_point)
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head, h / a."""
+        return self.hidden_size // self.heads
+
+    @property
+    def wants_trace(self) -> bool:
+        """``activations`` asks for the trace (``trace`` or ``auto``)."""
+        return self.activations is not ActivationSource.FORMULA
+
+    def traced_for(self, checkpointing: Checkpointing, precision: Precision) -> TracedActivation | None:
+        """The traced entry for this granularity and precision (failed ones included), or None."""
+        return next((t for t in self.traced_activations
+                     if t.checkpointing == str(checkpointing) and t.precision is precision), None)
+
+
+ModelSpec = SeedModel | TransformerModel
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareSpec:
+    """The machines: nodes × GPUs per node, each GPU's memory, each node's host RAM and NVMe."""
+
+    accelerator: Accelerator = Accelerator.CUDA
+    """CUDA GPUs or CPU ranks."""
+    nodes: int = 1
+    """Nodes in the job."""
+    gpus_per_node: int
+    """Devices (GPUs, or CPU ranks) per node."""
+    gpu_memory_bytes: int
+    """Memory of one device, nominal (bytes)."""
+    device_reserve_bytes: int = 0
+    """Per-device memory outside PyTorch's allocator: CUDA context, NCCL buffers (bytes)."""
+    allocator_overhead: float = 0.0
+    """Reserved/allocated − 1 of the caching allocator (fragmentation); Mist's L4 runs: 0.058–0.225."""
+    host_memory_bytes: int | None = None
+    """Host RAM of one node (bytes); None = not checked."""
+    nvme_path: str | None = None
+    """Mount point DeepSpeed swaps to for NVMe offload."""
+    nvme_bytes: int | None = None
+    """Free NVMe capacity of one node (bytes); None = not checked."""
+    supported_precisions: tuple[Precision, ...] = (Precision.FP32, Precision.BF16, Precision.FP16)
+    """Precisions the device can train in (CPU ranks refuse fp16 in DeepSpeed)."""
+    profile: str | None = None
+    """Name of the device's figures for the throughput model (:mod:`optimizer.perf.hardware_profiles`)."""
+    inter_node_bytes_per_s: float | None = None
+    """Network bandwidth per device between nodes, one direction (bytes/s); overrides the profile."""
+    nvme_bytes_per_s: float | None = None
+    """NVMe read/write bandwidth of a node (bytes/s), for NVMe offload time; None: unknown."""
+
+    def __post_init__(self) -> None:
+        _coerce_enums(self, accelerator=Accelerator)
+        object.__setattr__(self, "supported_precisions", tuple(Precision(p) for p in self.supported_precisions))
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError("nodes and gpus_per_node must be >= 1")
+        if not 0.0 <= self.allocator_overhead < 1.0:
+            raise ValueError(f"allocator_overhead must be in [0, 1), got {self.allocator_overhead}")
+        if self.device_reserve_bytes >= self.gpu_memory_bytes:
+            raise ValueError("device_reserve must be smaller than gpu_memory")
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks: nodes × GPUs per node (no tensor or pipeline parallelism)."""
+        return self.nodes * self.gpus_per_node
+
+
+class ModelInit(StrEnum):
+    """How the training script builds the model (the study's ``training.model_init``).
+
+    The init phase of the ledger and the trial's construction follow it; the exported config names it.
+    """
+
+    AUTO = "auto"
+    """What Hugging Face's Trainer does: ``zero_init`` at ZeRO stage 3, ``device`` at stages 0–2
+    (``transformers`` enters ``deepspeed.zero.Init`` when the DeepSpeed config has stage 3 —
+    ``modeling_utils.py`` ``_from_config``/``get_init_context`` — and builds in the training dtype otherwise)."""
+    ZERO_INIT = "zero_init"
+    """Under ``deepspeed.zero.Init(config_dict_or_path=ds_config)``: every module's parameters are partitioned
+    as soon as the module is built (``partition_parameters.py:1232-1262``); ZeRO stage 3 only."""
+    DEVICE = "device"
+    """Directly on the rank's device in the training dtype (``torch.device`` + default dtype, as
+    ``from_config(dtype=...)`` does); DeepSpeed creates the FP32 master weights from it."""
+    FULL = "full"
+    """The whole model in FP32 on the host of every rank; DeepSpeed casts it and moves it to the device
+    (``engine.py:2080-2094``). What a plain ``model = Model(); deepspeed.initialize(model=model)`` script does."""
+
+
+class Construction(StrEnum):
+    """The construction a candidate's trial really uses: :class:`ModelInit` resolved for its ZeRO stage."""
+
+    ZERO_INIT = "zero_init"
+    DEVICE = "device"
+    FULL = "full"
+
+
+def construction_for(model_init: ModelInit, stage: ZeroStage) -> Construction:
+    """The construction of ``model_init`` at ``stage`` (``auto``: zero.Init at stage 3, the device below).
+
+    ``zero_init`` below stage 3 has no construction: the constraints mark such candidates invalid."""
+    if model_init is ModelInit.AUTO:
+        return Construction.ZERO_INIT if stage is ZeroStage.PARAMETERS else Construction.DEVICE
+    if model_init is ModelInit.ZERO_INIT and stage is not ZeroStage.PARAMETERS:
+        raise ValueError(f"model_init=zero_init partitions parameters as they are built; zero_stage {int(stage)} "
+                         "cannot train a partitioned model")
+    return Construction(model_init.value)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainingSpec:
+    """What is trained: the batch, the sequence length and the optimizer."""
+
+    global_batch_size: int
+    """Samples per optimizer step over all ranks: micro-batch × accumulation × ranks."""
+    micro_batch_size: int
+    """The baseline micro-batch per GPU (knob default)."""
+    sequence_length: int
+    """Tokens per sample (s)."""
+    optimizer: Optimizer = Optimizer.ADAM
+    """The optimizer."""
+    learning_rate: float = 1e-3
+    """Adam's learning rate."""
+    weight_decay: float = 0.0
+    """Adam's (decoupled for AdamW) weight decay."""
+    model_init: ModelInit = ModelInit.AUTO
+    """How the training script builds the model (priced in the ledger's init phase, used by every trial)."""
+
+    def __post_init__(self) -> None:
+        _coerce_enums(self, optimizer=Optimizer, model_init=ModelInit)
+        for name in ("global_batch_size", "micro_batch_size", "sequence_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.learning_rate > 0 or self.weight_decay < 0:
+            raise ValueError("learning_rate must be > 0 and weight_decay >= 0")
+
+    def construction(self, stage: ZeroStage) -> Construction:
+        """How a trial at ``stage`` builds the model (:func:`construction_for`)."""
+        return construction_for(self.model_init, stage)
+
+
+def baseline_candidate(training: TrainingSpec) -> Candidate:
+    """The study's baseline: stage 0, no offload, fp32, no checkpointing, the study's micro-batch.
+
+    Knobs a user does not set take these values; it is also the FP32 reference for loss.
+    """
+    return Candidate(
+        zero_stage=ZeroStage.DISABLED,
+        offload_optimizer=OffloadDevice.NONE,
+        offload_param=OffloadDevice.NONE,
+        precision=Precision.FP32,
+        checkpointing=NoCheckpointing(),
+        micro_batch_size=training.micro_batch_size,
+    )
+
+
+TIMEOUT_MARGIN = 3.0
+"""How many times its predicted duration a launch may take before it is called a timeout: the throughput model
+is a prior (MFU 0.4) until calibrated, and a step's real time can be a few times it (CPU Adam, first-step
+allocations, JIT builds). A margin, not a measured figure."""
+INIT_STEPS = 2
+"""Model construction and ``deepspeed.initialize`` counted as this many steps in the launch's time budget."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrialSettings:
+    """How a short real trial runs and is judged (the study file's optional ``trial`` section)."""
+
+    warmup_steps: int = 2
+    """Optimizer steps before timing; the CPU live-tensor peak is recorded over these (≥ 2 so that the
+    optimizer states exist during a backward pass)."""
+    measured_steps: int = 3
+    """Timed optimizer steps."""
+    timeout_s: float = 300.0
+    """Wall-clock limit of one launch, at least: past it the whole process group is killed (outcome ``timeout``).
+    Where the throughput model predicts the step time, the limit grows with it (:meth:`timeout_for`)."""
+    seed: int = 0
+    """Seed of the model initialisation and the synthetic data: every trial sees the same batches."""
+    retries: int = 1
+    """Launches again after a ``crash`` or ``timeout`` — a port race, an NCCL hiccup, a co-tenant — before the
+    outcome is recorded as the candidate's (and reused); OOM, NaN and unsupported are never retried."""
+    fidelity_tolerance: tuple[tuple[Precision, float], ...] = (
+        (Precision.FP32, 1e-4), (Precision.BF16, 2e-2), (Precision.FP16, 5e-2))
+    """Largest accepted relative loss deviation from the FP32 reference, per precision. fp32: ZeRO 1–3 only
+    reorder reductions (measured ≤ 1e-7 on cpu-tiny); bf16: 8-bit mantissa (measured 3.3e-3 over 5 steps
+    on cpu-tiny, tolerance ≈ 6×); fp16: dynamic loss scaling may skip early overflowing steps."""
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 2 or self.measured_steps < 1:
+            raise ValueError("warmup_steps must be >= 2 and measured_steps >= 1")
+        if not self.timeout_s > 0:
+            raise ValueError("timeout_s must be > 0")
+        if self.retries < 0:
+            raise ValueError("retries must be >= 0")
+
+    def timeout_for(self, predicted_step_s: float | None) -> float:
+        """The launch's wall-clock limit: ``timeout_s``, or — when the throughput model predicts a step of
+        ``predicted_step_s`` — :data:`TIMEOUT_MARGIN` × (warm-up + measured steps + :data:`INIT_STEPS`) steps, if
+        longer. A 70B step with offload takes minutes; a fixed limit would record every such trial as a timeout."""
+        if predicted_step_s is None:
+            return self.timeout_s
+        steps = self.warmup_steps + self.measured_steps + INIT_STEPS
+        return max(self.timeout_s, TIMEOUT_MARGIN * steps * predicted_step_s)
+
+    def tolerance(self, precision: Precision) -> float:
+        """The fidelity tolerance for ``precision``."""
+        return dict(self.fidelity_tolerance)[precision]
