@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from record_grid import machine  # noqa: E402
 
 from launchers.inventory import with_inventory  # noqa: E402
-from launchers.trace import with_traced_activations  # noqa: E402
+from launchers.study_traces import with_traced_activations  # noqa: E402
 from launchers.trial import run_trial  # noqa: E402
 from optimizer.deepspeed.versions import installed_versions  # noqa: E402
 from optimizer.ledger.core import compute_ledger  # noqa: E402

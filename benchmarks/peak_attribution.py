@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from launchers.local import extensions_dir, free_port
-from launchers.trace import with_traced_activations
+from launchers.study_traces import with_traced_activations
 from launchers.trial import rank_plan
 from optimizer.ledger.core import evaluate
 from optimizer.study.knobs import KNOB_NAMES, parse_knob, with_knobs

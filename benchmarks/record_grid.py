@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
-from launchers.trace import with_traced_activations
+from launchers.study_traces import with_traced_activations
 from launchers.trial import check_devices, reference_losses, run_trial
 from optimizer.ledger.core import evaluate
 from optimizer.study.specs import baseline_candidate

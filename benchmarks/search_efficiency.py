@@ -55,13 +55,13 @@ import numpy as np
 import optuna
 
 from launchers.study_run import run_study
-from launchers.trace import with_traced_activations
+from launchers.study_traces import with_traced_activations
 from optimizer.ledger.core import evaluate
 from optimizer.ledger.transformer import activation_estimate, parameter_count
 from optimizer.perf.throughput import StepTime, predict, work
 from optimizer.results.trial_result import Outcome, RankMeasurement, TrialResult
-from optimizer.search.objective import branches, sample_candidate
 from optimizer.search.ordering import candidate_of, study_models
+from optimizer.search.space import branches, sample_candidate
 from optimizer.study.knobs import Candidate, Precision, ZeroStage, parse_knob
 from optimizer.study.specs import baseline_candidate
 from optimizer.study.study_file import StudySpec, load_study

@@ -113,7 +113,7 @@ def submit(*, spec: StudySpec, workers: int, storage: str | None, dry_run: bool)
     if sbatch is None:
         raise UserError(source="dsopt slurm submit", key="sbatch", why="not found on PATH: is this a SLURM login "
                         "node? (--dry-run prints the script)")
-    from launchers.trace import with_traced_activations
+    from launchers.study_traces import with_traced_activations
 
     with_traced_activations(spec)  # once here, so the array's workers find studies/NAME/traces.json warm
     folder = slurm_dir(spec)

@@ -40,20 +40,8 @@ from optimizer.search.coordination import (
     now_utc,
     worker_id,
 )
-from optimizer.search.objective import (
-    Branches,
-    LaunchGate,
-    TrialFailed,
-    branches,
-    candidate_key,
-    distribution_params,
-    final_keys,
-    in_space,
-    make_objective,
-    next_candidate,
-    open_study,
-    seed_study,
-)
+from optimizer.search.next_launch import final_keys, next_candidate
+from optimizer.search.objective import LaunchGate, TrialFailed, make_objective, open_study, seed_study
 from optimizer.search.ordering import (
     CALIBRATION_ATTR,
     EXPLORE_EVERY,
@@ -63,6 +51,7 @@ from optimizer.search.ordering import (
     predicted_speed,
     study_models,
 )
+from optimizer.search.space import Branches, branches, distribution_params, in_space
 from optimizer.search.storage import StorageKind, check_shared_storage, storage_kind
 from optimizer.study.knobs import Candidate
 from optimizer.study.specs import baseline_candidate
@@ -165,7 +154,7 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     slice of its node's GPUs (:func:`launchers.trial.check_devices`), used by every launch including the
     reference; None: every GPU the process sees. ``progress``: what it prints (:mod:`launchers.progress`).
     """
-    from launchers.trace import with_traced_activations  # torch: only once a study runs
+    from launchers.study_traces import with_traced_activations
 
     space = branches(spec)  # validate before anything is written
     if parallel:
@@ -219,11 +208,11 @@ def _loop(study: optuna.Study, *, spec: StudySpec, space: Branches, gate: Launch
             fail_stale(study)
         trials = study.get_trials(deepcopy=False)
         current[0] = _refresh_models(study, spec=spec, trials=trials, base=base)
-        fitting = {candidate_key(v.candidate) for v in verdicts
-                   if launchable(v, models=current[0], key=candidate_key(v.candidate),
+        fitting = {v.candidate.label() for v in verdicts
+                   if launchable(v, models=current[0], key=v.candidate.label(),
                                  budget_bytes=v.ledger.gpu_capacity_bytes)}
-        held = sum(1 for v in verdicts if candidate_key(v.candidate) not in fitting and calibrated_verdict_fits(
-            v, models=current[0], key=candidate_key(v.candidate), budget_bytes=v.ledger.gpu_capacity_bytes))
+        held = sum(1 for v in verdicts if v.candidate.label() not in fitting and calibrated_verdict_fits(
+            v, models=current[0], key=v.candidate.label(), budget_bytes=v.ledger.gpu_capacity_bytes))
         stop = _stop_reason(trials=trials, spec=spec, gate=gate, fitting=fitting, ran=ran, n_trials=n_trials,
                             elapsed_s=time.monotonic() - start, timeout_s=timeout_s, held=held)
         if stop is WAIT:
@@ -282,7 +271,7 @@ def _stop_reason(*, trials: list[optuna.trial.FrozenTrial], spec: StudySpec, gat
                                                             "for what the study has measured of its ledger)"
                                                             if held else ""))
     waiting = any(t.state is TrialState.WAITING for t in trials)
-    in_flight = {t.user_attrs.get("candidate_key") for t in trials if t.state is TrialState.RUNNING}
+    in_flight = {t.user_attrs.get("label") for t in trials if t.state is TrialState.RUNNING}
     if not waiting and left <= in_flight:
         return WAIT
     return None

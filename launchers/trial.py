@@ -54,16 +54,6 @@ class ReferenceFailed(RuntimeError):
         super().__init__(f"the FP32 reference run ended with '{result.outcome}': {result.message}")
 
 
-def candidate_slug(candidate: Candidate) -> str:
-    """A folder name for the candidate, e.g. ``z2-bf16-full-mbs4-optcpu``."""
-    k = candidate.knobs()
-    parts = [f"z{k['zero_stage']}", str(k["precision"]), str(k["checkpointing"]), f"mbs{k['micro_batch_size']}"]
-    if k["offload_optimizer"] != "none":
-        parts.append(f"opt{k['offload_optimizer']}")
-    if k["offload_param"] != "none":
-        parts.append(f"param{k['offload_param']}")
-    return "-".join(parts)
-
 
 NOT_THE_MODEL = ("activations", "traced_activations", "inventory")
 """Spec fields that say how the ledger estimates, not what the ranks build."""
@@ -79,7 +69,7 @@ def model_dict(model: TransformerModel) -> dict[str, Any]:
 
 def trial_dir_for(study: StudySpec, candidate: Candidate) -> Path:
     """``studies/<name>/trials/<candidate>/``."""
-    return study.output_dir / "trials" / candidate_slug(candidate)
+    return study.output_dir / "trials" / candidate.folder_name()
 
 
 def slurm_nodes_available() -> int:

@@ -108,7 +108,7 @@ def test_full_construction_holds_the_fp32_model_on_the_host(repo_root):
 
 
 def test_the_launch_limit_follows_the_predicted_step():
-    from optimizer.study.specs import TrialSettings
+    from optimizer.study.trial_settings import TrialSettings
 
     settings = TrialSettings(timeout_s=300.0, warmup_steps=2, measured_steps=3)
     assert settings.timeout_for(None) == 300.0  # no prediction: the floor

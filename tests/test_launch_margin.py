@@ -18,14 +18,7 @@ import pytest
 from optimizer.ledger.core import evaluate
 from optimizer.perf.throughput import profile_rates
 from optimizer.results.trial_result import Outcome, RankMeasurement, TrialResult
-from optimizer.search.objective import (
-    DIRECTIONS,
-    TrialFailed,
-    branches,
-    candidate_key,
-    distribution_params,
-    make_objective,
-)
+from optimizer.search.objective import DIRECTIONS, TrialFailed, make_objective
 from optimizer.search.ordering import (
     ESTIMATE_PRIOR,
     ESTIMATE_PRIOR_OFFLOADED,
@@ -38,6 +31,7 @@ from optimizer.search.ordering import (
     memory_group,
     study_models,
 )
+from optimizer.search.space import branches, distribution_params
 from optimizer.study.knobs import OffloadDevice, Precision, ZeroStage, parse_checkpointing
 from optimizer.study.specs import Accelerator, baseline_candidate
 from optimizer.study.study_file import load_study
@@ -66,7 +60,7 @@ def _models(spec, **fields) -> StudyModels:
 def _launchable(spec, models, candidate=None) -> bool:
     candidate = candidate or baseline_candidate(spec.training)
     verdict = evaluate(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training)
-    return launchable(verdict, models=models, key=candidate_key(candidate), budget_bytes=spec.hardware.gpu_memory_bytes)
+    return launchable(verdict, models=models, key=candidate.label(), budget_bytes=spec.hardware.gpu_memory_bytes)
 
 
 def test_the_seed_ledger_counts_8_of_its_26_gb_as_estimated(seed):
@@ -180,7 +174,7 @@ def test_a_calibrated_group_keeps_the_floor_of_its_calibrated_need(seed):
 
 def _frozen(candidate, *, measured: int, predicted: int, estimated: int) -> optuna.trial.FrozenTrial:
     return optuna.trial.create_trial(values=[float(measured), 1000.0], user_attrs={
-        "candidate": candidate.knobs(), "candidate_key": candidate_key(candidate), "step_time_s": 0.1,
+        "candidate": candidate.knobs(), "label": candidate.label(), "step_time_s": 0.1,
         "device_share_bytes": measured, "predicted_training_needed_bytes": predicted,
         "predicted_estimated_bytes": estimated, "loss_fidelity": 0.0})
 

@@ -15,8 +15,9 @@ import yaml
 
 from optimizer.ledger.core import evaluate
 from optimizer.perf.throughput import StepTime
-from optimizer.search.objective import branches, candidate_key, distribution_params, next_candidate
+from optimizer.search.next_launch import next_candidate
 from optimizer.search.ordering import calibrated_verdict_fits, memory_group, predicted_speed, study_models
+from optimizer.search.space import branches, distribution_params
 from optimizer.study.specs import baseline_candidate
 from optimizer.study.study_file import load_study
 
@@ -38,7 +39,7 @@ def _measured(spec, verdict, *, number, peak, step_time_s, state=TrialState.COMP
     ledger = verdict.ledger
     return optuna.trial.create_trial(
         state=state, values=[float(peak), 1000.0] if state is TrialState.COMPLETE else None,
-        user_attrs={"candidate": verdict.candidate.knobs(), "candidate_key": candidate_key(verdict.candidate),
+        user_attrs={"candidate": verdict.candidate.knobs(), "label": verdict.candidate.label(),
                     "peak_memory_bytes": peak, "predicted_host_bytes": 0, "step_time_s": step_time_s,
                     "predicted_gpu_needed_bytes": ledger.gpu_needed_bytes, "loss_fidelity": 0.0,
                     "tokens_per_s": 1000.0})
@@ -64,13 +65,13 @@ def _launch_order(spec) -> list[str]:
                                     verdicts=verdicts)) is not None:
         order.append(choice.label())
         trials.append(optuna.trial.create_trial(state=TrialState.COMPLETE, values=[1.0, 1.0],
-                                                user_attrs={"candidate_key": candidate_key(choice),
+                                                user_attrs={"label": choice.label(),
                                                             "loss_fidelity": 0.0}))
     return order
 
 
 # grid-cpu's tiny GPT on 2 CPU ranks with a 1 GB budget (everything fits); CPU ranks have no profile figures,
-# so the order is optimizer.search.objective.promise's documented rule: no offload first, then no recomputation, then
+# so the order is optimizer.search.next_launch.promise's documented rule: no offload first, then no recomputation, then
 # the lower ZeRO stage, then 16-bit before fp32, then the larger micro-batch.
 PROMISE_KNOBS = {"zero_stage": [0, 1], "offload_optimizer": ["none", "cpu"], "precision": ["fp32", "bf16"],
                  "micro_batch_size": [1, 2]}
@@ -132,17 +133,17 @@ def test_measured_running_queued_and_failed_candidates(tmp_path):
     done = _measured(spec, by_label[first], number=0, peak=1, step_time_s=0.1)
     assert pick([done]) == second
     running = optuna.trial.create_trial(state=TrialState.RUNNING,
-                                        user_attrs={"candidate_key": candidate_key(by_label[second].candidate)})
+                                        user_attrs={"label": by_label[second].candidate.label()})
     assert pick([done, running]) == third
     params = distribution_params(by_label[third].candidate, space)
     queued = optuna.trial.create_trial(state=TrialState.WAITING, params=params, distributions={
         name: optuna.distributions.CategoricalDistribution([value]) for name, value in params.items()})
     assert pick([done, running, queued]) == fourth
     oom = optuna.trial.create_trial(state=TrialState.FAIL, user_attrs={
-        "candidate_key": candidate_key(by_label[fourth].candidate), "outcome": "oom"})
+        "label": by_label[fourth].candidate.label(), "outcome": "oom"})
     assert pick([done, running, queued, oom]) == fifth  # a classified failure is final
     died = optuna.trial.create_trial(state=TrialState.FAIL, user_attrs={
-        "candidate_key": candidate_key(by_label[fourth].candidate)})
+        "label": by_label[fourth].candidate.label()})
     assert pick([done, running, queued, died]) == fourth  # its worker died: not a result, offered again
 
 
@@ -164,7 +165,7 @@ def test_calibrated_memory_never_prunes_a_measured_fit(grid):
     assert {memory_group(v.candidate) for v in (fit, over)} == {group}
 
     def trial(verdict, *, predicted, device, state=TrialState.COMPLETE):
-        attrs = {"candidate": verdict.candidate.knobs(), "candidate_key": candidate_key(verdict.candidate),
+        attrs = {"candidate": verdict.candidate.knobs(), "label": verdict.candidate.label(),
                  "predicted_gpu_needed_bytes": predicted, "device_share_bytes": device, "step_time_s": 0.1,
                  "loss_fidelity": 0.0}
         if state is TrialState.FAIL:
@@ -179,13 +180,13 @@ def test_calibrated_memory_never_prunes_a_measured_fit(grid):
     assert models.memory_factor(tight.candidate) == pytest.approx(1.2)
     other = by_label["z1 bf16 ckpt=full mbs=1"]
     assert models.memory_factor(other.candidate) == 1.0  # nothing of its group measured
-    assert models.measured_fits == {candidate_key(fit.candidate), candidate_key(tight.candidate)}
+    assert models.measured_fits == {fit.candidate.label(), tight.candidate.label()}
     budget = grid.hardware.gpu_memory_bytes
     assert budget == 3_000_000
     huge = replace(models, memory_factors=((group, 10.0),))
     for verdict in (fit, tight):  # measured to fit: kept whatever the factor
-        assert calibrated_verdict_fits(verdict, models=huge, key=candidate_key(verdict.candidate), budget_bytes=budget)
-    assert not calibrated_verdict_fits(over, models=huge, key=candidate_key(over.candidate), budget_bytes=budget)
+        assert calibrated_verdict_fits(verdict, models=huge, key=verdict.candidate.label(), budget_bytes=budget)
+    assert not calibrated_verdict_fits(over, models=huge, key=over.candidate.label(), budget_bytes=budget)
 
 
 def test_time_calibration_reproduces_its_measurements_and_leaves_the_rest_unknown(grid):

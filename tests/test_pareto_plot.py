@@ -14,15 +14,15 @@ def _study() -> optuna.Study:
     study = optuna.create_study(directions=["minimize", "maximize"])
     feasible = {"constraints:loss_fidelity": -0.01, "constraints:init_memory": -0.5}
     study.add_trial(optuna.trial.create_trial(values=[2_500_000.0, 900.0], system_attrs=feasible,
-                                              user_attrs={"candidate_key": "a", "predicted_bytes": 2_400_000}))
+                                              user_attrs={"label": "a", "predicted_bytes": 2_400_000}))
     study.add_trial(optuna.trial.create_trial(state=TrialState.FAIL, user_attrs={
-        "candidate_key": "b", "outcome": "oom", "predicted_bytes": 2_900_000, "device_share_bytes": 3_137_072}))
+        "label": "b", "outcome": "oom", "predicted_bytes": 2_900_000, "device_share_bytes": 3_137_072}))
     study.add_trial(optuna.trial.create_trial(state=TrialState.FAIL, user_attrs={
-        "candidate_key": "c", "outcome": "crash", "predicted_bytes": 1_000_000}))
+        "label": "c", "outcome": "crash", "predicted_bytes": 1_000_000}))
     study.add_trial(optuna.trial.create_trial(state=TrialState.PRUNED, user_attrs={
-        "candidate_key": "d", "held": True, "predicted_bytes": 2_950_000, "pruned_reason": "held: ..."}))
+        "label": "d", "held": True, "predicted_bytes": 2_950_000, "pruned_reason": "held: ..."}))
     study.add_trial(optuna.trial.create_trial(state=TrialState.PRUNED, user_attrs={
-        "candidate_key": "e", "predicted_bytes": 3_400_000, "pruned_reason": "does not fit: ..."}))
+        "label": "e", "predicted_bytes": 3_400_000, "pruned_reason": "does not fit: ..."}))
     return study
 
 

@@ -8,15 +8,8 @@ import pytest
 from optimizer.ledger.core import evaluate
 from optimizer.results.pareto import feasible_front, pick_trial
 from optimizer.results.trial_result import Outcome, RankMeasurement, TrialResult
-from optimizer.search.objective import (
-    DIRECTIONS,
-    TrialFailed,
-    branches,
-    candidate_key,
-    distribution_params,
-    make_objective,
-    sample_candidate,
-)
+from optimizer.search.objective import DIRECTIONS, TrialFailed, make_objective
+from optimizer.search.space import branches, distribution_params, sample_candidate
 from optimizer.search.storage import connection_url, redact
 from optimizer.study.errors import UserError
 from optimizer.study.knobs import OffloadDevice, ZeroStage
@@ -49,13 +42,13 @@ def test_every_valid_candidate_is_reachable_and_enqueue_params_round_trip(demo):
     assert seen == 216
 
 
-def test_candidate_key_is_stable(demo):
+def test_candidate_label_is_stable(demo):
     base = baseline_candidate(demo.training)
-    assert candidate_key(base) == candidate_key(baseline_candidate(demo.training))
+    assert base.label() == (baseline_candidate(demo.training)).label()
 
 
 def _trial(number_values, fidelity, key):
-    return optuna.trial.create_trial(values=list(number_values), user_attrs={"candidate_key": key,
+    return optuna.trial.create_trial(values=list(number_values), user_attrs={"label": key,
                                                                                "loss_fidelity": fidelity},
                                      system_attrs={"constraints:loss_fidelity": fidelity - 0.01})
 
@@ -67,10 +60,10 @@ def test_picks_on_the_feasible_front():
     study.add_trial(_trial((4.0, 50.0), 0.0, "c"))
     study.add_trial(_trial((0.5, 100.0), 0.5, "d"))  # dominates all, but infeasible (fidelity out of tolerance)
     study.add_trial(_trial((2.0, 40.0), 0.0, "b"))  # a reused copy of b
-    assert [t.user_attrs["candidate_key"] for t in feasible_front(study)] == ["a", "b", "c"]
-    assert pick_trial(study, "fastest").user_attrs["candidate_key"] == "c"
-    assert pick_trial(study, "smallest").user_attrs["candidate_key"] == "a"
-    assert pick_trial(study, "balanced").user_attrs["candidate_key"] == "b"
+    assert [t.user_attrs["label"] for t in feasible_front(study)] == ["a", "b", "c"]
+    assert pick_trial(study, "fastest").user_attrs["label"] == "c"
+    assert pick_trial(study, "smallest").user_attrs["label"] == "a"
+    assert pick_trial(study, "balanced").user_attrs["label"] == "b"
     assert pick_trial(study, "trial=2").number == 2
     with pytest.raises(UserError, match="violates"):
         pick_trial(study, "trial=3")
@@ -165,12 +158,12 @@ def test_a_run_measured_over_the_budget_is_an_oom_kept_as_data(repo_root):
     budget = 4 * need.training_needed_bytes  # far below: no launch rule holds either candidate back
     spec = replace(spec, hardware=replace(spec.hardware, gpu_memory_bytes=budget))
     over = budget + 12_345
-    answers = {candidate_key(base): over, candidate_key(other): budget}
+    answers = {base.label(): over, other.label(): budget}
     calls = []
 
     def runner(candidate):
         calls.append(candidate)
-        return _measured(answers[candidate_key(candidate)])
+        return _measured(answers[candidate.label()])
 
     space = branches(spec)
     study = optuna.create_study(directions=list(DIRECTIONS))
@@ -194,7 +187,7 @@ def test_once_calibrated_a_candidate_the_time_model_cannot_predict_goes_first(re
     """Unknown speed (no figure: CPU ranks have no profile) ranks after known ones before calibration, before
     them after it: one launch teaches the model the missing figure."""
     from optimizer.perf.throughput import profile_rates
-    from optimizer.search.objective import order_key
+    from optimizer.search.next_launch import order_key
     from optimizer.search.ordering import StudyModels
 
     def key(spec, samples):

@@ -10,14 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from launchers.trace import (
-    TraceFailure,
-    TraceResult,
-    cached_trace,
-    trace,
-    traced_activation,
-    with_traced_activations,
-)
+from launchers.study_traces import cached_trace, traced_activation, with_traced_activations
+from launchers.trace import TraceFailure, TraceResult, trace
 from launchers.trial import model_dict
 from optimizer.cli import main
 from optimizer.ledger.core import compute_ledger

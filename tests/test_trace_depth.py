@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from launchers.trace import TraceCache, TraceResult, joint_peak, trace, traced_activation
+from launchers.study_traces import TraceCache, traced_activation
+from launchers.trace import TraceResult, joint_peak, trace
 from launchers.trace_depth import shallow_depths, spec_at_depth
 from launchers.trial import model_dict
 from launchers.workloads.fake_kernels import GROUPED_NOTE

@@ -22,8 +22,9 @@ from optimizer.ledger.core import compute_ledger
 from optimizer.ledger.items import Location, Phase
 from optimizer.ledger.transformer import parameter_count
 from optimizer.study.knobs import Precision, with_knobs
-from optimizer.study.specs import ActivationSource, TracedActivation, baseline_candidate
+from optimizer.study.specs import ActivationSource, baseline_candidate
 from optimizer.study.study_file import load_study
+from optimizer.study.traced_activation import TracedActivation
 
 ROOT = Path(__file__).resolve().parents[1]
 ALWAYS = 4 * 120_576 + 4 * 60_288 + 8 * 60_288  # flat fp32 parameters, fp32 master partition, Adam's two states

@@ -65,7 +65,7 @@ def prepared_study(path: str) -> StudySpec:
     study = load_study(path)
     study = counted(study)
     if isinstance(study.model, TransformerModel) and study.model.wants_trace:
-        from launchers.trace import with_traced_activations
+        from launchers.study_traces import with_traced_activations
 
         study = with_traced_activations(study)
     return study

@@ -12,7 +12,7 @@ from optimizer.study.study_file import load_study
 
 
 def run(args: argparse.Namespace) -> int:
-    from launchers.trace import trace_rows
+    from launchers.study_traces import trace_rows
 
     study = load_study(args.study)
     if isinstance(study.model, SeedModel):

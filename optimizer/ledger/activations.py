@@ -8,7 +8,8 @@ from __future__ import annotations
 from optimizer.ledger.items import Category, LedgerItem, Location, Phase
 from optimizer.ledger.transformer import activation_estimate
 from optimizer.study.knobs import Candidate
-from optimizer.study.specs import ActivationSource, TracedActivation, TransformerModel
+from optimizer.study.specs import ActivationSource, TransformerModel
+from optimizer.study.traced_activation import TracedActivation
 
 KORTHIKANTI = "Korthikanti et al. 2022 §4 (arXiv 2205.05198)"
 

@@ -21,7 +21,7 @@ def feasible_front(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     measurement of the same candidate) is shown once, as the trial that measured it."""
     unique: dict[str, optuna.trial.FrozenTrial] = {}
     for trial in sorted(study.best_trials, key=lambda t: t.number):
-        unique.setdefault(trial.user_attrs.get("candidate_key", str(trial.number)), trial)
+        unique.setdefault(trial.user_attrs.get("label", str(trial.number)), trial)
     return sorted(unique.values(), key=lambda t: (t.values[0], -t.values[1]))
 
 

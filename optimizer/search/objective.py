@@ -23,14 +23,13 @@ divide the global batch). A knob with one possible value is not sampled.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
 
-from optimizer.ledger.core import Verdict, evaluate
+from optimizer.ledger.core import evaluate
 from optimizer.ledger.items import Location
 from optimizer.ledger.report import ledger_json
 from optimizer.results.trial_result import Outcome, TrialResult
@@ -43,19 +42,17 @@ from optimizer.search.coordination import (
     running_elsewhere,
     try_claim,
 )
+from optimizer.search.next_launch import order_key
 from optimizer.search.ordering import (
     StudyModels,
     calibrated_verdict_fits,
     launchable,
-    memory_family,
-    memory_group,
-    predicted_speed,
     study_models,
 )
+from optimizer.search.space import Branches, distribution_params, in_space, sample_candidate
 from optimizer.search.storage import open_storage, storage_error
 from optimizer.study.cluster_settings import BudgetSettings
-from optimizer.study.errors import UserError
-from optimizer.study.knobs import Candidate, OffloadDevice, ZeroStage, parse_knob
+from optimizer.study.knobs import Candidate
 from optimizer.study.specs import baseline_candidate
 from optimizer.study.study_file import StudySpec
 
@@ -72,107 +69,6 @@ class TrialFailed(Exception):
     """A launched trial ended in oom, nan, crash, timeout or unsupported: Optuna records it as FAIL."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Branches:
-    """The values each knob may take, per ZeRO stage where DeepSpeed restricts them."""
-
-    stages: tuple[ZeroStage, ...]
-    offload_optimizer: dict[ZeroStage, tuple[OffloadDevice, ...]]
-    offload_param: tuple[OffloadDevice, ...]
-    precision: tuple[str, ...]
-    checkpointing: tuple[str, ...]
-    micro_batch_size: tuple[int, ...]
-
-
-def branches(study: StudySpec) -> Branches:
-    """Restrict the study's space to what DeepSpeed and the study allow; UserError if nothing is left."""
-    base = baseline_candidate(study.training)
-    values = dict(study.search_space.values)
-
-    def listed(name: str, default: object) -> tuple:
-        return tuple(values.get(name, (default,)))
-
-    def allowed_offload(stage: ZeroStage) -> tuple[OffloadDevice, ...]:
-        options = listed("offload_optimizer", base.offload_optimizer)
-        ok = {ZeroStage.DISABLED: {OffloadDevice.NONE}, ZeroStage.OPTIMIZER: {OffloadDevice.NONE, OffloadDevice.CPU},
-              ZeroStage.GRADIENTS: {OffloadDevice.NONE, OffloadDevice.CPU}}.get(stage, set(OffloadDevice))
-        return tuple(o for o in options if o in ok and (o is not OffloadDevice.NVME or study.hardware.nvme_path))
-
-    stages = tuple(s for s in listed("zero_stage", base.zero_stage) if allowed_offload(s))
-    params = tuple(o for o in listed("offload_param", base.offload_param)
-                   if o is not OffloadDevice.NVME or study.hardware.nvme_path)
-    if ZeroStage.PARAMETERS in stages and not params:
-        stages = tuple(s for s in stages if s is not ZeroStage.PARAMETERS)
-    if ZeroStage.PARAMETERS not in stages:
-        params = (OffloadDevice.NONE,)
-    precisions = tuple(str(p) for p in listed("precision", base.precision) if p in study.hardware.supported_precisions)
-    ranks = study.hardware.world_size
-    mbs = tuple(m for m in listed("micro_batch_size", base.micro_batch_size)
-                if study.training.global_batch_size % (m * ranks) == 0)
-    ckpt = tuple(str(c) for c in listed("checkpointing", base.checkpointing))
-    result = Branches(stages=stages, offload_optimizer={s: allowed_offload(s) for s in stages},
-                      offload_param=params, precision=precisions, checkpointing=ckpt, micro_batch_size=mbs)
-    empty = [name for name, value in (("zero_stage", stages), ("precision", precisions),
-                                      ("micro_batch_size", mbs)) if not value]
-    if empty:
-        raise UserError(source=study.search_space.source, key=f"knobs.{empty[0]}",
-                        why="no value left that DeepSpeed and this study's hardware/batch allow: the search space "
-                            "is empty after validation")
-    return result
-
-
-def _pick(trial: optuna.Trial, name: str, choices: Sequence[Any]) -> Any:
-    return choices[0] if len(choices) == 1 else trial.suggest_categorical(name, list(choices))
-
-
-def sample_candidate(trial: optuna.Trial, space: Branches, base: Candidate) -> Candidate:
-    """One DeepSpeed-valid candidate, conditional knobs under their own parameter names."""
-    stage = ZeroStage(_pick(trial, "zero_stage", [int(s) for s in space.stages]))
-    optimizer = OffloadDevice(_pick(trial, f"offload_optimizer_z{int(stage)}",
-                                    [o.value for o in space.offload_optimizer[stage]]))
-    param = OffloadDevice(_pick(trial, "offload_param_z3", [o.value for o in space.offload_param])) \
-        if stage is ZeroStage.PARAMETERS else OffloadDevice.NONE
-    return replace(
-        base, zero_stage=stage, offload_optimizer=optimizer, offload_param=param,
-        precision=parse_knob("precision", _pick(trial, "precision", list(space.precision))),
-        checkpointing=parse_knob("checkpointing", _pick(trial, "checkpointing", list(space.checkpointing))),
-        micro_batch_size=_pick(trial, "micro_batch_size", list(space.micro_batch_size)),
-    )
-
-
-def distribution_params(candidate: Candidate, space: Branches) -> dict[str, Any]:
-    """The Optuna parameters that make ``sample_candidate`` return ``candidate`` (for enqueueing)."""
-    params: dict[str, Any] = {}
-    stage = candidate.zero_stage
-    if len(space.stages) > 1:
-        params["zero_stage"] = int(stage)
-    if len(space.offload_optimizer[stage]) > 1:
-        params[f"offload_optimizer_z{int(stage)}"] = candidate.offload_optimizer.value
-    if stage is ZeroStage.PARAMETERS and len(space.offload_param) > 1:
-        params["offload_param_z3"] = candidate.offload_param.value
-    for name, choices, value in (("precision", space.precision, str(candidate.precision)),
-                                 ("checkpointing", space.checkpointing, str(candidate.checkpointing)),
-                                 ("micro_batch_size", space.micro_batch_size, candidate.micro_batch_size)):
-        if len(choices) > 1:
-            params[name] = value
-    return params
-
-
-def candidate_key(candidate: Candidate) -> str:
-    """A stable identity for 'already measured': the knobs as sorted JSON."""
-    return json.dumps(candidate.knobs(), sort_keys=True)
-
-
-def promise(verdict: Verdict) -> tuple:
-    """Ordering of fitting candidates when the throughput model lacks a figure (no hardware profile, no
-    calibration yet): no offload, no recomputation, low ZeRO stage (less communication), 16-bit, large
-    micro-batch."""
-    c = verdict.candidate
-    offloads = (c.offload_optimizer is not OffloadDevice.NONE) + (c.offload_param is not OffloadDevice.NONE)
-    recompute = {"none": 0, "selective": 1}.get(str(c.checkpointing), 2)
-    return (offloads, recompute, int(c.zero_stage), str(c.precision) == "fp32", -c.micro_batch_size)
-
-
 def seed_study(study: optuna.Study, spec: StudySpec, space: Branches) -> int:
     """Enqueue the most promising fitting candidates (:func:`order_key` with the uncalibrated models), once per
     study (a study attribute guards it)."""
@@ -183,22 +79,13 @@ def seed_study(study: optuna.Study, spec: StudySpec, space: Branches) -> int:
                 for c in spec.search_space.candidates(base)]
     models = study_models(spec=spec, trials=[], base=base)
     fitting = sorted((v for v in verdicts if in_space(v.candidate, space) and launchable(
-        v, models=models, key=candidate_key(v.candidate), budget_bytes=spec.hardware.gpu_memory_bytes)),
+        v, models=models, key=v.candidate.label(), budget_bytes=spec.hardware.gpu_memory_bytes)),
                      key=lambda v: order_key(v, spec=spec, models=models))
     for verdict in fitting[:SEED_ENQUEUE]:
         study.enqueue_trial(distribution_params(verdict.candidate, space), skip_if_exists=True,
                             user_attrs={"enqueued_by": "seed"})
     study.set_user_attr("dsopt_seeded", True)
     return min(len(fitting), SEED_ENQUEUE)
-
-
-def in_space(candidate: Candidate, space: Branches) -> bool:
-    return (candidate.zero_stage in space.stages
-            and candidate.offload_optimizer in space.offload_optimizer[candidate.zero_stage]
-            and candidate.offload_param in space.offload_param
-            and str(candidate.precision) in space.precision
-            and str(candidate.checkpointing) in space.checkpointing
-            and candidate.micro_batch_size in space.micro_batch_size)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -236,10 +123,9 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
 
     def objective(trial: optuna.Trial) -> tuple[float, float]:
         candidate = sample_candidate(trial, space, base)
-        key = candidate_key(candidate)
+        key = candidate.label()
         trial.set_user_attr("candidate", candidate.knobs())
-        trial.set_user_attr("label", candidate.label())  # what the dashboard and the progress lines show
-        trial.set_user_attr("candidate_key", key)
+        trial.set_user_attr("label", key)  # the candidate's identity; also what the dashboard shows
         trial.set_user_attr(WORKER_ATTR, gate.worker)
         verdict = evaluate(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training)
         if verdict.ledger is None:
@@ -391,7 +277,7 @@ def _finished(study: optuna.Study, key: str, *, exclude: int) -> optuna.trial.Fr
     A trial failed because its worker died (no outcome) is not final: the candidate is launched again."""
     for frozen in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,
                                                            optuna.trial.TrialState.FAIL)):
-        if frozen.number == exclude or frozen.user_attrs.get("candidate_key") != key:
+        if frozen.number == exclude or frozen.user_attrs.get("label") != key:
             continue
         if "loss_fidelity" in frozen.user_attrs or (frozen.state is optuna.trial.TrialState.FAIL
                                                     and "outcome" in frozen.user_attrs):
@@ -410,55 +296,3 @@ def open_study(*, spec: StudySpec, storage: str, sampler: optuna.samplers.BaseSa
         raise storage_error(storage, err) from None
 
 
-def next_candidate(*, spec: StudySpec, space: Branches, trials: list[optuna.trial.FrozenTrial],
-                   models: StudyModels, verdicts: list[Verdict]) -> Candidate | None:
-    """The model's choice for the next launch: among candidates of the space that may be launched (they fit,
-    calibrated, within the launch margin: :func:`~optimizer.search.ordering.launchable`), have no result and are not
-    queued or running, the one with the highest predicted throughput — or, while the time model has no
-    figures, the first in :func:`promise` order. When the most promising fitting candidate is *held* by the
-    margin, a launchable candidate of its memory group — else of its family (same stage and offload) — goes
-    first instead: its measurement is what earns the held one its margin. None when nothing is left."""
-    taken = {t.user_attrs.get("candidate_key") for t in trials if t.state is optuna.trial.TrialState.RUNNING}
-    queued = [t.params for t in trials if t.state is optuna.trial.TrialState.WAITING]
-    done = final_keys(trials)
-    options, held = [], []
-    for verdict in verdicts:
-        candidate = verdict.candidate
-        key = candidate_key(candidate)
-        if verdict.ledger is None or not in_space(candidate, space) or key in taken or key in done \
-                or distribution_params(candidate, space) in queued:
-            continue
-        budget = verdict.ledger.gpu_capacity_bytes
-        if launchable(verdict, models=models, key=key, budget_bytes=budget):
-            options.append((order_key(verdict, spec=spec, models=models), candidate))
-        elif calibrated_verdict_fits(verdict, models=models, key=key, budget_bytes=budget):
-            held.append((order_key(verdict, spec=spec, models=models), candidate))
-    if not options:
-        return None
-    best = min(options, key=lambda o: o[0])
-    if held and min(held, key=lambda o: o[0])[0] < best[0]:  # the most promising is held: probe its kin
-        top = min(held, key=lambda o: o[0])[1]
-        for kin in (memory_group, memory_family):
-            probes = [o for o in options if kin(o[1]) == kin(top)]
-            if probes:
-                return min(probes, key=lambda o: o[0])[1]
-    return best[1]
-
-
-def order_key(verdict: Verdict, *, spec: StudySpec, models: StudyModels) -> tuple:
-    """Most promising first: predicted throughput where the time model knows it, :func:`promise` order where
-    it does not. Once the model is calibrated, a candidate it cannot predict (it needs a figure no measured
-    trial exercised: e.g. ZeRO-0's all-reduce when only ZeRO-1/2 ran) comes *before* the predicted ones —
-    one launch teaches the model that figure, where ranking the unknown last would leave a whole branch (the
-    best, perhaps) to the sampler's chance."""
-    speed = predicted_speed(verdict.candidate, spec=spec, models=models)
-    if isinstance(speed, str):
-        return (0 if models.time_samples else 1, promise(verdict), verdict.candidate.label())
-    return (1 if models.time_samples else 0, (-speed.tokens_per_s,), verdict.candidate.label())
-
-
-def final_keys(trials: list[optuna.trial.FrozenTrial]) -> set[str]:
-    """Candidates with a final result: measured, or failed with a classified outcome."""
-    return {t.user_attrs["candidate_key"] for t in trials if "candidate_key" in t.user_attrs and (
-        (t.state is optuna.trial.TrialState.COMPLETE and "loss_fidelity" in t.user_attrs)
-        or (t.state is optuna.trial.TrialState.FAIL and "outcome" in t.user_attrs))}

@@ -9,7 +9,7 @@ measured trials, stores them in the study (``dsopt_calibration``) and uses them 
   budget left free, the margin set by priors until the study has measured its own ledger (:func:`launchable`);
 * **ordering** — the next launch is the feasible, not yet measured, not in flight candidate with the highest
   predicted throughput (calibrated time model once :data:`MIN_TIME_SAMPLES` trials are measured; before
-  that the hardware profile's model, or the provisional :func:`~optimizer.search.objective.promise` order when the
+  that the hardware profile's model, or the provisional :func:`~optimizer.search.next_launch.promise` order when the
   profile lacks a figure), except that every :data:`EXPLORE_EVERY`-th trial is left to the Optuna sampler
   (TPE) to explore the rest of the space.
 """
@@ -214,7 +214,7 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
                 predicted_bytes=needed, measured_bytes=device, fits_budget_bytes=budget if fit else None,
                 estimated_bytes=estimated_bytes(t)))
             if fit:
-                fits.add(t.user_attrs["candidate_key"])
+                fits.add(t.user_attrs["label"])
     for t in over_budget_trials(trials):  # a run measured over the budget: its time and its device share
         candidate = candidate_of(t.user_attrs["candidate"], base)
         job = work(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training)

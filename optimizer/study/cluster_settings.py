@@ -23,8 +23,14 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
+
+from optimizer.study.fields import Section, as_count_text, as_fraction, as_positive_int, as_text, as_text_list, built
+from optimizer.study.units import parse_count
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -101,3 +107,78 @@ class SlurmSettings:
                 raise ValueError(f"sbatch expects '--option[=value]' items, got {option!r}")
         if any("\n" in line for line in self.setup):
             raise ValueError("setup takes one shell line per item")
+
+
+# Reading the sections (optimizer.study.study_file calls these)
+
+
+def deadline(value: Any) -> datetime:
+    if isinstance(value, datetime):  # YAML reads an unquoted ISO 8601 timestamp as a datetime
+        moment = value
+    else:
+        try:
+            moment = datetime.fromisoformat(as_text(value))
+        except ValueError:
+            raise ValueError(f"expected an ISO 8601 instant such as 2026-11-30T07:00:00+00:00, got {value!r}") from None
+    if moment.tzinfo is None:
+        raise ValueError(f"{value!r} has no timezone; write e.g. 2026-11-30T07:00:00+00:00")
+    return moment
+
+
+SLURM_TIME = re.compile(r"(\d+)(:\d{1,2}){0,2}|(\d+)-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE", re.IGNORECASE)
+"""``--time`` as sbatch(1) accepts it: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+days-hours:minutes, days-hours:minutes:seconds, or UNLIMITED/INFINITE."""
+
+
+SLURM_MEM = re.compile(r"\d+[KMGT]?", re.IGNORECASE)
+"""``--mem`` as sbatch(1) accepts it: a whole number, megabytes unless suffixed K, M, G or T (0: all of it)."""
+
+
+def sbatch_format(pattern: re.Pattern[str], what: str) -> Callable[[Any], str]:
+    """Text (or a whole number) that ``pattern`` matches whole; else why, naming the sbatch format."""
+    def parse(value: Any) -> str:
+        text = as_count_text(value)
+        if not pattern.fullmatch(text):
+            raise ValueError(f"{text!r} is not a SLURM {what}")
+        return text
+
+    return parse
+
+
+slurm_time = sbatch_format(SLURM_TIME, "time (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or "
+                                          "UNLIMITED; see sbatch --time)")
+
+
+slurm_mem = sbatch_format(SLURM_MEM, "memory size (a whole number with an optional K, M, G or T suffix, "
+                                        "megabytes by default; 0 = all of the node's; see sbatch --mem)")
+
+
+def parse_budget(section: Section) -> BudgetSettings:
+    return built(section, lambda: BudgetSettings(
+        max_launches=section.get("max_launches", as_positive_int, None),
+        deadline=section.get("deadline", deadline, None),
+        max_hours=section.get("max_hours", as_fraction, None),
+    ))
+
+
+def parse_workers(section: Section) -> WorkerSettings:
+    defaults = WorkerSettings()
+    heartbeat = section.get("heartbeat_s", as_positive_int, defaults.heartbeat_s)
+    return built(section, lambda: WorkerSettings(
+        heartbeat_s=heartbeat,
+        grace_s=section.get("grace_s", as_positive_int, max(defaults.grace_s, 3 * heartbeat)),
+        max_retry=section.get("max_retry", parse_count, defaults.max_retry),
+    ))
+
+
+def parse_slurm(section: Section) -> SlurmSettings:
+    return built(section, lambda: SlurmSettings(
+        partition=section.get("partition", as_text, None),
+        account=section.get("account", as_text, None),
+        time=section.get("time", slurm_time, None),
+        cpus_per_task=section.get("cpus_per_task", as_positive_int, None),
+        mem=section.get("mem", slurm_mem, None),
+        sbatch=section.get("sbatch", as_text_list, ()),
+        setup=section.get("setup", as_text_list, ()),
+        python=section.get("python", as_text, None),
+    ))

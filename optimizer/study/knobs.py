@@ -156,7 +156,9 @@ class Candidate:
         }
 
     def label(self) -> str:
-        """A short one-line description, e.g. ``z2 bf16 ckpt=full mbs=4 opt->cpu``."""
+        """The candidate's one identity, e.g. ``z2 bf16 ckpt=full mbs=4 opt->cpu``: every knob, in a fixed order —
+        the study's key for it (trial attribute ``label``: reuse, in-flight and "already measured"), what the
+        progress lines, the ledger tables and the dashboard show, and (:meth:`folder_name`) its trial folder."""
         parts = [f"z{int(self.zero_stage)}", self.precision.value, f"ckpt={self.checkpointing}",
                  f"mbs={self.micro_batch_size}"]
         if self.offload_optimizer is not OffloadDevice.NONE:
@@ -164,6 +166,11 @@ class Candidate:
         if self.offload_param is not OffloadDevice.NONE:
             parts.append(f"param->{self.offload_param}")
         return " ".join(parts)
+
+    def folder_name(self) -> str:
+        """:meth:`label` as a folder name (a trial's files), e.g. ``z2_bf16_ckpt=full_mbs=4_opt-cpu``: the same
+        identity, spaces as ``_`` and ``->`` as ``-``."""
+        return self.label().replace(" ", "_").replace("->", "-")
 
 
 KNOB_NAMES: Final[tuple[str, ...]] = (
@@ -208,3 +215,14 @@ def parse_knob(name: str, value: object) -> object:
 def with_knobs(base: Candidate, overrides: dict[str, object]) -> Candidate:
     """``base`` with the given knobs replaced; values are parsed with :func:`parse_knob`."""
     return replace(base, **{name: parse_knob(name, value) for name, value in overrides.items()})
+
+
+def coerce_enums(spec: object, **kinds: type[StrEnum]) -> None:
+    """Turn plain strings into the field's enum (frozen dataclass), or raise naming the field."""
+    for name, kind in kinds.items():
+        value = getattr(spec, name)
+        try:
+            object.__setattr__(spec, name, kind(value))
+        except ValueError:
+            allowed = ", ".join(member.value for member in kind)
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None

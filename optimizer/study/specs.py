@@ -18,18 +18,9 @@ from optimizer.study.knobs import (
     OffloadDevice,
     Precision,
     ZeroStage,
+    coerce_enums,
 )
-
-
-def _coerce_enums(spec: object, **kinds: type[StrEnum]) -> None:
-    """Turn plain strings into the field's enum (frozen dataclass), or raise naming the field."""
-    for name, kind in kinds.items():
-        value = getattr(spec, name)
-        try:
-            object.__setattr__(spec, name, kind(value))
-        except ValueError:
-            allowed = ", ".join(member.value for member in kind)
-            raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None
+from optimizer.study.traced_activation import TracedActivation
 
 
 class Accelerator(StrEnum):
@@ -91,90 +82,6 @@ class ActivationSource(StrEnum):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TracedActivation:
-    """Activation bytes of one (checkpointing, precision) as traced, at each micro-batch of the search space.
-
-    Traced at every micro-batch the space holds, so the ledger's figure is the trace's, not a fit: the
-    high-water mark is a maximum over moments of the step, each linear in b (Korthikanti et al. 2022 §4), so
-    it is piecewise linear and a two-point fit under-estimates where the peak moves (measured: −4 % for
-    gpt2-tiny, full checkpointing, b = 4 from b = 1, 2). Between or beyond traced micro-batches the two
-    nearest points are joined linearly.
-    """
-
-    checkpointing: str
-    """The granularity, as the search space spells it (``none``, ``full``, ``every_2``, ``selective``)."""
-    precision: Precision
-    """The training precision the model was traced in."""
-    points: tuple[tuple[int, int], ...] = ()
-    """(micro-batch, activation high-water mark in bytes), sorted by micro-batch."""
-    peak_phase: str = "backward"
-    """``forward`` or ``backward``: where the high-water mark was (at the largest micro-batch)."""
-    failed_op: str | None = None
-    """Set when the trace failed: the op (or error) that stopped it; the ledger then uses the formula."""
-    joint_points: tuple[tuple[int, int, int], ...] = ()
-    """(micro-batch, activations + temporaries, gradients made so far) at the moment their sum peaked: the
-    phase-aware join of activations and autograd's gradients (:mod:`launchers.trace`); empty when not traced."""
-    split_points: tuple[tuple[int, int, int], ...] = ()
-    """(micro-batch, activations' high-water mark before autograd made any gradient, … once one exists): the
-    moments ZeRO-2's gradient bucket and partition are not yet live, and those they are (:mod:`launchers.trace`);
-    empty when not traced."""
-    notes: tuple[str, ...] = ()
-    """What the trace assumed or how it was taken (MoE experts, depths extended), stated in the ledger."""
-    zero3_gathered: int = 0
-    """The most parameter elements ZeRO-3 keeps gathered at once, DeepSpeed's coordinator replayed over the
-    traced module order (:mod:`optimizer.ledger.zero3_gather`); 0 when not traced."""
-
-    def __post_init__(self) -> None:
-        _coerce_enums(self, precision=Precision)
-        object.__setattr__(self, "points", tuple(sorted((int(b), int(n)) for b, n in self.points)))
-        object.__setattr__(self, "joint_points",
-                           tuple(sorted((int(b), int(w), int(g)) for b, w, g in self.joint_points)))
-        object.__setattr__(self, "split_points",
-                           tuple(sorted((int(b), int(u), int(g)) for b, u, g in self.split_points)))
-        object.__setattr__(self, "notes", tuple(str(n) for n in self.notes))
-        if self.failed_op is None and not self.points:
-            raise ValueError("a traced activation needs at least one (micro-batch, bytes) point")
-
-    def bytes_at(self, micro_batch: int) -> int:
-        """Activation high-water mark at ``micro_batch`` samples: traced, or joined from the nearest two."""
-        return _joined(self.points, micro_batch)
-
-    def joint_at(self, micro_batch: int) -> tuple[int, int] | None:
-        """(activations, gradients so far) at the joint peak for ``micro_batch`` samples, as :meth:`bytes_at`
-        joins points; None without joint points."""
-        if not self.joint_points:
-            return None
-        working = _joined(tuple((b, w) for b, w, _ in self.joint_points), micro_batch)
-        grads = _joined(tuple((b, g) for b, _, g in self.joint_points), micro_batch)
-        return working, grads
-
-
-    def split_at(self, micro_batch: int) -> tuple[int, int] | None:
-        """(activations before the first gradient, activations after it) for ``micro_batch`` samples, as
-        :meth:`bytes_at` joins points; None without split points."""
-        if not self.split_points:
-            return None
-        return (_joined(tuple((b, u) for b, u, _ in self.split_points), micro_batch),
-                _joined(tuple((b, g) for b, _, g in self.split_points), micro_batch))
-
-
-def _joined(points: tuple[tuple[int, int], ...], micro_batch: int) -> int:
-    """The value at ``micro_batch``: a traced point's, else the line through the nearest two (one point: in
-    proportion to the micro-batch)."""
-    exact = dict(points)
-    if micro_batch in exact:
-        return exact[micro_batch]
-    if len(points) == 1:
-        b, n = points[0]
-        return -(-n * micro_batch // b)
-    below = [p for p in points if p[0] < micro_batch]
-    above = [p for p in points if p[0] > micro_batch]
-    (b0, n0), (b1, n1) = (below[-1], above[0]) if below and above else \
-        (points[-2], points[-1]) if below else (points[0], points[1])
-    return max(0, round(n0 + (n1 - n0) * (micro_batch - b0) / (b1 - b0)))
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class SeedModel:
     """A model given by explicit numbers, as in the seed document (``../shared/seeds/``).
 
@@ -194,7 +101,7 @@ class SeedModel:
     """Working buffers per GPU (communication, framework, workspace), stated, constant."""
 
     def __post_init__(self) -> None:
-        _coerce_enums(self, activation_precision=Precision)
+        coerce_enums(self, activation_precision=Precision)
         if self.parameters < 1:
             raise ValueError(f"parameters must be >= 1, got {self.parameters}")
         if "none" not in self.activation_bytes:
@@ -246,14 +153,15 @@ class TransformerModel:
     activations: ActivationSource = ActivationSource.FORMULA
     """Where the ledger's activation bytes come from."""
     traced_activations: tuple[TracedActivation, ...] = ()
-    """Filled by :func:`launchers.trace.with_traced_activations` when ``activations`` is ``trace`` or ``auto``."""
+    """Filled by :func:`launchers.study_traces.with_traced_activations` when ``activations`` is ``trace`` or
+    ``auto``."""
     inventory: ParameterInventory | None = None
     """Every parameter as the model's own code builds it (:mod:`optimizer.ledger.inventory`), filled by
     :func:`launchers.inventory.with_inventory` for ``hf_config`` and ``entry_point`` models; when set, the
     ledger's parameter counts come from it instead of the shape's layout."""
 
     def __post_init__(self) -> None:
-        _coerce_enums(self, attention=AttentionKind, mlp=MlpKind, norm=NormKind, position_embedding=PositionKind,
+        coerce_enums(self, attention=AttentionKind, mlp=MlpKind, norm=NormKind, position_embedding=PositionKind,
                       activations=ActivationSource)
         for name in ("layers", "hidden_size", "heads", "kv_heads", "ffn_size", "vocab_size", "max_positions"):
             value = getattr(self, name)
@@ -325,7 +233,7 @@ class HardwareSpec:
     """NVMe read/write bandwidth of a node (bytes/s), for NVMe offload time; None: unknown."""
 
     def __post_init__(self) -> None:
-        _coerce_enums(self, accelerator=Accelerator)
+        coerce_enums(self, accelerator=Accelerator)
         object.__setattr__(self, "supported_precisions", tuple(Precision(p) for p in self.supported_precisions))
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ValueError("nodes and gpus_per_node must be >= 1")
@@ -401,7 +309,7 @@ class TrainingSpec:
     """How the training script builds the model (priced in the ledger's init phase, used by every trial)."""
 
     def __post_init__(self) -> None:
-        _coerce_enums(self, optimizer=Optimizer, model_init=ModelInit)
+        coerce_enums(self, optimizer=Optimizer, model_init=ModelInit)
         for name in ("global_batch_size", "micro_batch_size", "sequence_length"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -429,54 +337,3 @@ def baseline_candidate(training: TrainingSpec) -> Candidate:
     )
 
 
-TIMEOUT_MARGIN = 3.0
-"""How many times its predicted duration a launch may take before it is called a timeout: the throughput model
-is a prior (MFU 0.4) until calibrated, and a step's real time can be a few times it (CPU Adam, first-step
-allocations, JIT builds). A margin, not a measured figure."""
-INIT_STEPS = 2
-"""Model construction and ``deepspeed.initialize`` counted as this many steps in the launch's time budget."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TrialSettings:
-    """How a short real trial runs and is judged (the study file's optional ``trial`` section)."""
-
-    warmup_steps: int = 2
-    """Optimizer steps before timing; the CPU live-tensor peak is recorded over these (≥ 2 so that the
-    optimizer states exist during a backward pass)."""
-    measured_steps: int = 3
-    """Timed optimizer steps."""
-    timeout_s: float = 300.0
-    """Wall-clock limit of one launch, at least: past it the whole process group is killed (outcome ``timeout``).
-    Where the throughput model predicts the step time, the limit grows with it (:meth:`timeout_for`)."""
-    seed: int = 0
-    """Seed of the model initialisation and the synthetic data: every trial sees the same batches."""
-    retries: int = 1
-    """Launches again after a ``crash`` or ``timeout`` — a port race, an NCCL hiccup, a co-tenant — before the
-    outcome is recorded as the candidate's (and reused); OOM, NaN and unsupported are never retried."""
-    fidelity_tolerance: tuple[tuple[Precision, float], ...] = (
-        (Precision.FP32, 1e-4), (Precision.BF16, 2e-2), (Precision.FP16, 5e-2))
-    """Largest accepted relative loss deviation from the FP32 reference, per precision. fp32: ZeRO 1–3 only
-    reorder reductions (measured ≤ 1e-7 on cpu-tiny); bf16: 8-bit mantissa (measured 3.3e-3 over 5 steps
-    on cpu-tiny, tolerance ≈ 6×); fp16: dynamic loss scaling may skip early overflowing steps."""
-
-    def __post_init__(self) -> None:
-        if self.warmup_steps < 2 or self.measured_steps < 1:
-            raise ValueError("warmup_steps must be >= 2 and measured_steps >= 1")
-        if not self.timeout_s > 0:
-            raise ValueError("timeout_s must be > 0")
-        if self.retries < 0:
-            raise ValueError("retries must be >= 0")
-
-    def timeout_for(self, predicted_step_s: float | None) -> float:
-        """The launch's wall-clock limit: ``timeout_s``, or — when the throughput model predicts a step of
-        ``predicted_step_s`` — :data:`TIMEOUT_MARGIN` × (warm-up + measured steps + :data:`INIT_STEPS`) steps, if
-        longer. A 70B step with offload takes minutes; a fixed limit would record every such trial as a timeout."""
-        if predicted_step_s is None:
-            return self.timeout_s
-        steps = self.warmup_steps + self.measured_steps + INIT_STEPS
-        return max(self.timeout_s, TIMEOUT_MARGIN * steps * predicted_step_s)
-
-    def tolerance(self, precision: Precision) -> float:
-        """The fidelity tolerance for ``precision``."""
-        return dict(self.fidelity_tolerance)[precision]

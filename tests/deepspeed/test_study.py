@@ -16,7 +16,7 @@ import yaml
 from trial_processes import trial_processes
 
 from launchers.study_run import counts, default_storage, run_study
-from launchers.trial import candidate_slug, run_trial
+from launchers.trial import run_trial
 from optimizer.cli import main
 from optimizer.results.pareto import feasible_front
 from optimizer.results.trial_result import Outcome
@@ -67,7 +67,7 @@ def test_pruned_trials_never_started_a_process(finished):
         if trial.state is TrialState.PRUNED:
             assert "trial_dir" not in trial.user_attrs and "outcome" not in trial.user_attrs
             assert trial.user_attrs["pruned_reason"]
-            slug = candidate_slug(with_knobs(baseline_candidate(spec.training), trial.user_attrs["candidate"]))
+            slug = (with_knobs(baseline_candidate(spec.training), trial.user_attrs["candidate"])).folder_name()
             assert slug not in folders
 
 
@@ -140,7 +140,7 @@ def test_sigint_then_resume_loses_and_repeats_nothing(tmp_path):
         done = [t for t in trials if t.state is TrialState.COMPLETE]
         # interrupt early, with trials still to come, so a slow poll on a loaded machine cannot miss the run
         if done and len(done) <= 4 and any(t.state is TrialState.RUNNING for t in trials):
-            completed_before = [t.user_attrs["candidate_key"] for t in done]
+            completed_before = [t.user_attrs["label"] for t in done]
             break
     assert completed_before, "no trial completed while another was running"
     proc.send_signal(signal.SIGINT)
@@ -151,9 +151,9 @@ def test_sigint_then_resume_loses_and_repeats_nothing(tmp_path):
     assert any(t.state is TrialState.FAIL for t in interrupted.get_trials())
     study = run_study(spec=spec, storage=storage, n_trials=3, timeout_s=None)
     complete = [t for t in study.get_trials() if t.state is TrialState.COMPLETE]
-    keys_after = [t.user_attrs["candidate_key"] for t in complete]
+    keys_after = [t.user_attrs["label"] for t in complete]
     assert all(key in keys_after for key in completed_before)  # nothing completed was lost
-    measured = [t.user_attrs["candidate_key"] for t in complete if "reused_from" not in t.user_attrs]
+    measured = [t.user_attrs["label"] for t in complete if "reused_from" not in t.user_attrs]
     assert len(measured) == len(set(measured))  # nothing was launched twice
 
 

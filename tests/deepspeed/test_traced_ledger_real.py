@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launchers.trace import with_traced_activations
+from launchers.study_traces import with_traced_activations
 from launchers.trial import run_trial
 from optimizer.ledger.core import compute_ledger
 from optimizer.results.trial_result import Outcome
