@@ -1,9 +1,9 @@
-"""Formula or trace: which activation source predicts the measured peak better (issue 7's evidence).
+"""Formula or trace: which activation source predicts the measured peak better.
 
     python benchmarks/activation_sources.py [GRID.json ...]
 
-Default: benchmarks/data/grid-cpu.json (the built-in tiny GPT, 84 real runs, issue 6),
-benchmarks/data/grid-llama-cpu.json (a 4-layer GQA Llama, 84 real runs, issue 15) and
+Default: benchmarks/data/grid-cpu.json (the built-in tiny GPT, 84 real runs),
+benchmarks/data/grid-llama-cpu.json (a 4-layer GQA Llama, 84 real runs) and
 benchmarks/data/llama-tiny-cpu.json (a transformers Llama from a local config: SwiGLU, RMSNorm, GQA, rotary;
 recorded with ``python benchmarks/record_grid.py studies/llama-tiny-cpu.yaml --out
 benchmarks/data/llama-tiny-cpu.json``), then the transformers families of ``benchmarks/hf_families.py --record``

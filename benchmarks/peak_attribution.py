@@ -6,7 +6,7 @@ Runs the candidate's real trial once (:mod:`launchers.workloads.peak_attribution
 profiler recording call stacks) and prints, per rank, the measured training peak (c10's all-thread counter),
 the op during which it fell, and the allocations live then grouped by where they were made (the largest
 first); then the ledger's items at each phase. This is how the ledger's ZeRO-1/2 terms were checked term by
-term (README "Known limits"). The live listing pairs main-thread events by address, so its sum can exceed the
+term (docs/ledger.md "Known limits"). The live listing pairs main-thread events by address, so its sum can exceed the
 peak by what gloo's threads had already freed. Prints only; asserts nothing.
 """
 

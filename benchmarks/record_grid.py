@@ -1,4 +1,4 @@
-"""Record a full grid of real measurements: every valid candidate of a study, launched once (issue 6's data).
+"""Record a full grid of real measurements: every valid candidate of a study, launched once.
 
     python benchmarks/record_grid.py [STUDY.yaml] [--out benchmarks/data/grid-cpu.json]
 

@@ -1,4 +1,4 @@
-"""Search efficiency: replay search strategies against a recorded grid of real measurements (issue 6).
+"""Search efficiency: replay search strategies against a recorded grid of real measurements.
 
     python benchmarks/search_efficiency.py [--grid GRID.json ...] [--seeds 20]
 

@@ -1,4 +1,4 @@
-"""Benchmark: how long tracing a ~1.3B-parameter GPT on fake tensors takes (issue 7: "seconds, no GPU").
+"""Benchmark: how long tracing a ~1.3B-parameter GPT on fake tensors takes.
 
     python benchmarks/trace_time.py
 

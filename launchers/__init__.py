@@ -1,5 +1,4 @@
-"""Everything that starts processes or touches a device lives here (STYLE.md: I/O at the edges).
-
-The trial launcher (one short real DeepSpeed run per candidate) arrives with the trial issue;
-the library in ``optimizer/`` stays pure.
+"""Everything that starts processes or touches a device lives here (I/O at the edges): the trial launcher, the
+worker loop, SLURM, the tracer and, in :mod:`launchers.workloads`, what runs inside the ranks. The library in
+``optimizer/`` (except the CLI, the top layer) never imports it (tests/test_layers.py).
 """

@@ -1,4 +1,4 @@
-"""Traced activations: the study's own model on fake tensors, one micro-batch forward + backward (issue 7).
+"""Traced activations: the study's own model on fake tensors, one micro-batch forward + backward.
 
 PyTorch's ``FakeTensorMode`` runs the model without allocating memory (shapes, dtypes and devices only), and
 ``torch.distributed._tools.mem_tracker.MemTracker`` attributes every tensor it sees to parameters,

@@ -1,4 +1,4 @@
-"""Traces of a deep model from two shallow copies of it, so a 70B model traces in seconds (issue 14).
+"""Traces of a deep model from two shallow copies of it, so a 70B model traces in seconds.
 
 A decoder's activations are what lies outside the blocks (embeddings, final norm, logits, loss) plus what each
 block keeps, and the blocks repeat: with checkpointing period P (1 for ``none``, ``full`` and ``selective``;

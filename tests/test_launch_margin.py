@@ -3,7 +3,7 @@ launched only with the margin free — a little of its need, plus a share of wha
 (activations, transient buffers), plus on a GPU the published 20 % until the study has measured — the
 margin earned from the study's own measurements; a held candidate is not final.
 
-The figures are the seed's worked example (../shared/seeds/, studies/seed-1b-2x24gb.yaml): plain data
+The figures are the seed's worked example (Q130, studies/seed-1b-2x24gb.yaml): plain data
 parallel needs 26 GB per GPU, of which 8 GB are the stated activations, the rest counted model states and
 buffers."""
 

@@ -80,7 +80,7 @@ def test_zero_paper_figure_1(stage, figure_gb):
 
 
 def test_the_estimators_are_the_ones_references_quotes():
-    # REFERENCES.md, run here for 1e9 parameters on 2 GPUs (GiB): ZeRO-2 10.24 (offload: 1.86 GPU, 22.35 CPU);
+    # docs/sources.md, run here for 1e9 parameters on 2 GPUs (GiB): ZeRO-2 10.24 (offload: 1.86 GPU, 22.35 CPU);
     # ZeRO-3 with a 5e7-parameter largest layer: 8.57 / 1.12 / 0.19. A changed estimator fails here first.
     cpu, gpu = estimate_zero2_model_states_mem_needs(10**9, 2, 1, cpu_offload=True)
     assert (round(gpu / GIB, 2), round(cpu / GIB, 2)) == (1.86, 22.35)

@@ -1,6 +1,6 @@
 """The seed document's tables, reproduced exactly (GB = 10^9 bytes).
 
-Reference numbers: ../shared/seeds/ (Q130): plain DP 26; ZeRO-1 22; ZeRO-2 20; ZeRO-3 18;
+Reference numbers: the seed document, Q130 (docs/ledger.md "Seed mode"): plain DP 26; ZeRO-1 22; ZeRO-2 20; ZeRO-3 18;
 checkpointing 21; ZeRO-1 + CPU optimizer offload 18 (4 GB per rank on the host);
 ZeRO-2 + checkpointing 15. Itemised: params / grads / Adam / activations / buffers.
 """

@@ -153,9 +153,9 @@ def test_cli_missing_file_exits_2(tmp_path, capsys):
     assert "study file not found" in capsys.readouterr().err
 
 
-def test_the_readme_study_example_loads_as_written(tmp_path, repo_root):
-    # The README's annotated study file, as a user would copy it: `1e-4` (a string to YAML 1.1) means the number.
-    readme = (repo_root / "README.md").read_text()
+def test_the_documented_study_example_loads_as_written(tmp_path, repo_root):
+    # docs/study-file.md's annotated study file, as a user would copy it: `1e-4` (a YAML 1.1 string) is the number.
+    readme = (repo_root / "docs" / "study-file.md").read_text()
     block = readme.split("# studies/NAME.yaml — read with yaml.safe_load; every key is checked\n", 1)[1]
     block = block.split("```", 1)[0]
     (tmp_path / "search_spaces").mkdir()

@@ -73,7 +73,7 @@ def test_h100_prediction_is_efficiency_times_peak(llama):
     assert not isinstance(step, str)
     assert compute_only * 0.9 < step.tokens_per_s <= compute_only
     # ZeRO-1 all-reduces the bf16 gradients once per step: 2 ring passes of 7/8 · Ψ · 2 bytes (ZeRO paper §7),
-    # at 450 GB/s per direction (half of NVLink 4's 900 GB/s bidirectional, REFERENCES.md): 0.0524 s.
+    # at 450 GB/s per direction (half of NVLink 4's 900 GB/s bidirectional, docs/sources.md): 0.0524 s.
     ring_pass_bytes = 7 / 8 * LLAMA_2_7B_PARAMETERS * 2
     assert dict(step.terms_s)["communication"] == pytest.approx(2 * ring_pass_bytes / 450e9)
 

@@ -51,7 +51,7 @@ def test_parameters_and_largest_layer_match_the_ledger(study, llama):
 
 def test_kept_activations_agree_with_the_formula_within_what_is_explained(study):
     # gpt2-tiny-cpu, 4 x 128 tokens, measured: kept when forward ends +14.4 % (fp32) and +7.8 % (bf16) over the
-    # formula. The trace's own account by op says why (README, "Traced activations"): CPU dropout keeps its mask
+    # formula. The trace's own account by op says why (docs/ledger.md, "Traced activations"): CPU dropout keeps its mask
     # in the input's dtype (aten.empty_like) where the formula counts 1-byte masks, and eager attention's
     # matmuls keep contiguous copies of Q and Kᵀ (aten.clone).
     for precision, size in ((Precision.FP32, 4), (Precision.BF16, 2)):

@@ -11,7 +11,7 @@ from optimizer.study.study_file import load_study
 
 
 def run(args: argparse.Namespace) -> int:
-    """``dsopt run``: optuna-run on the study's storage, with its trials' files (launchers/artifacts.py)."""
+    """``dsopt dashboard``: optuna-dashboard on the study's storage, with its trials' files (launchers/artifacts.py)."""
     from optuna.artifacts import FileSystemArtifactStore
 
     from launchers.artifacts import default_store_dir
@@ -21,11 +21,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         from optuna_dashboard import run_server
     except ImportError:
-        raise UserError(source="dsopt run", key="optuna-run",
-                        why="not installed: pip install 'dsopt[run]' (or optuna-run)") from None
+        raise UserError(source="dsopt dashboard", key="optuna-dashboard",
+                        why="not installed: pip install 'dsopt[dashboard]' (or optuna-dashboard)") from None
     folder = default_store_dir(study.output_dir)
     store = FileSystemArtifactStore(folder) if folder.is_dir() else None
-    print(f"dsopt: optuna-run for study {study.name} at http://{args.host}:{args.port}/ (storage "
+    print(f"dsopt: optuna-dashboard for study {study.name} at http://{args.host}:{args.port}/ (storage "
           f"{redact(args.storage or str(study.output_dir / 'study.db'))}; trial files "
           f"{folder if store else 'none yet'}); Ctrl-C stops it", flush=True)
     run_server(stored._storage, host=args.host, port=args.port, artifact_store=store)  # the opened storage

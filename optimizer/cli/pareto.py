@@ -23,8 +23,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(source="--out", key=str(out), why=f"cannot create the folder: {err.strerror}") from None
     budget = study.hardware.gpu_memory_bytes
     print(front_table(stored, budget_bytes=budget))
-    png = write_png(stored, out / "run.png", budget_bytes=budget)
-    html = write_html(stored, out / "run.html", budget_bytes=budget)
+    png = write_png(stored, out / "pareto.png", budget_bytes=budget)
+    html = write_html(stored, out / "pareto.html", budget_bytes=budget)
     print(f"wrote {png} and {html}")
     return 0
 

@@ -1,6 +1,6 @@
 """The ledger's activation lines: the formula, the trace, or the formula where the trace failed (pure).
 
-Every line names its source, so a ledger never mixes traced and formula figures silently (issue 7).
+Every line names its source, so a ledger never mixes traced and formula figures silently.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Seed-mode ledger items: the seed document's own accounting, reproduced exactly (pure).
 
-Source: ``../shared/seeds/`` (Q130, 显存优化技术). Its rules, for Ψ parameters on N ranks:
+Source: the seed document the project grew from (Q130 · 显存优化技术, a worked ledger in Chinese; its figures
+are in docs/ledger.md, "Seed mode"). Its rules, for Ψ parameters on N ranks:
 
 * FP32 parameters 4Ψ, FP32 gradients 4Ψ, Adam's two FP32 states 8Ψ; *no* extra FP32 master
   copy ("本例未额外算 FP32 主权重"); activations and working buffers are stated numbers.
@@ -23,7 +24,7 @@ from optimizer.ledger.items import Category, LedgerItem, Location, Phase
 from optimizer.study.knobs import Candidate, OffloadDevice, Precision, ZeroStage
 from optimizer.study.specs import HardwareSpec, SeedModel, TrainingSpec
 
-SEED = "seed document (../shared/seeds/), table '先把单卡 26 GB 的账算出来'"
+SEED = "seed document (Q130), table '先把单卡 26 GB 的账算出来'"
 ZERO_PAPER = "ZeRO (Rajbhandari et al. 2020) §3, mixed-precision Adam 16Ψ"
 FP32_STATE_BYTES = 4
 """One FP32 element."""

@@ -34,7 +34,7 @@ class HardwareProfile:
     """Parameters per second DeepSpeedCPUAdam updates for one rank on the node's host."""
     efficiency: float = 0.4
     """Achieved fraction of peak FLOP/s (MFU) assumed before calibration: 35–45 % is typical for dense
-    transformer training (Llama 3 405B 38–43 %; MegaScale 55 % on A100) — REFERENCES.md."""
+    transformer training (Llama 3 405B 38–43 %; MegaScale 55 % on A100) — docs/sources.md."""
     sources: tuple[str, ...] = field(default=())
     """Where the figures come from."""
 
@@ -58,7 +58,7 @@ _H100 = HardwareProfile(
     peak_flops=((Precision.BF16, 989e12), (Precision.FP16, 989e12), (Precision.FP32, 67e12)),
     link_bytes_per_s=450e9, inter_node_bytes_per_s=None, pcie_bytes_per_s=64e9, host_adam_params_per_s=7e8,
     sources=("NVIDIA H100 SXM datasheet: ~989 TFLOP/s bf16/fp16 dense, 67 TFLOP/s fp32, NVLink 4 900 GB/s "
-             "bidirectional, PCIe Gen5 x16 ~64 GB/s per direction (REFERENCES.md)", _CPU_ADAM))
+             "bidirectional, PCIe Gen5 x16 ~64 GB/s per direction (docs/sources.md)", _CPU_ADAM))
 
 PROFILES: dict[str, HardwareProfile] = {
     "a100-40gb": _A100,
@@ -67,7 +67,7 @@ PROFILES: dict[str, HardwareProfile] = {
     "h100-80gb": _H100,
     "h200-141gb": replace(_H100, name="h200-141gb", sources=(
         "NVIDIA H200 datasheet: H100 SXM compute, HBM3e 4.8 TB/s; a lent H200 measured bf16 8192³ matmul "
-        "≈ 790 TFLOP/s (REFERENCES.md)", _CPU_ADAM)),
+        "≈ 790 TFLOP/s (docs/sources.md)", _CPU_ADAM)),
     "cpu": HardwareProfile(
         name="cpu",
         peak_flops=((Precision.BF16, None), (Precision.FP16, None), (Precision.FP32, None)),

@@ -23,6 +23,7 @@ divide the global batch). A knob with one possible value is not sampled.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,8 @@ RETRIED = (Outcome.CRASH, Outcome.TIMEOUT)
 """Outcomes that may be transient (a port race, an NCCL hiccup, a co-tenant): launched again up to
 ``trial.retries`` times before they stand. OOM, NaN and unsupported are properties of the candidate."""
 DIRECTIONS = ("minimize", "maximize")
+METRIC_NAMES = ("training memory per device (bytes)", "tokens/s")
+"""The objectives' names, as optuna-dashboard and Optuna's plots label their axes."""
 """(training's device memory: reserved peak + device reserve, bytes; tokens per second)."""
 SEED_ENQUEUE = 3
 """How many of the ledger's most promising candidates are enqueued when a study is created."""
@@ -290,8 +293,13 @@ def open_study(*, spec: StudySpec, storage: str, sampler: optuna.samplers.BaseSa
     unreachable."""
     opened = open_storage(storage, workers=spec.workers)
     try:
-        return optuna.create_study(study_name=spec.name, storage=opened, directions=list(DIRECTIONS),
-                                   load_if_exists=True, sampler=sampler)
+        study = optuna.create_study(study_name=spec.name, storage=opened, directions=list(DIRECTIONS),
+                                    load_if_exists=True, sampler=sampler)
+        if study.metric_names is None:
+            with warnings.catch_warnings():  # experimental since Optuna 3.2, unchanged since
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                study.set_metric_names(list(METRIC_NAMES))
+        return study
     except Exception as err:  # sqlalchemy / journal errors differ by backend
         raise storage_error(storage, err) from None
 

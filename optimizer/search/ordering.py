@@ -43,7 +43,7 @@ ESTIMATE_PRIOR = 0.25
 """How far the *estimated* bytes (activations, transient buffers: :attr:`Ledger.estimated_bytes`) may exceed
 the ledger before the candidate's family has measured its own. On the recorded grids, without offload, the
 worst miss beyond :data:`MIN_MARGIN`·need is 0.28 of the estimated bytes (grid-llama-cpu z2 fp32 ckpt=full
-mbs=2: +9.2 % of its need, gloo's thread freeing reduced gradients late; README "Known limits"), 0.19 on
+mbs=2: +9.2 % of its need, gloo's thread freeing reduced gradients late; docs/ledger.md "Known limits"), 0.19 on
 grid-cpu; the whole-need prior (:data:`PRIOR_MARGIN_CPU`) covers those rows, and before any sample every grid
 row's miss is within 93 % of the prior margin. Counted bytes (model states) get no such share."""
 ESTIMATE_PRIOR_OFFLOADED = 0.5
@@ -51,7 +51,7 @@ ESTIMATE_PRIOR_OFFLOADED = 0.5
 memory, the device share of a measurement is the measured peak less the ledger's host items, and a miss of
 those lands on it — 0.38 of the estimated bytes on grid-cpu (z2 bf16 ckpt=full mbs=1 opt->cpu, +22 % of its
 small device share), 0.21 on grid-llama-cpu, since the ledger counts gloo's all-gather after the step (it was
-0.85 before, README "The launch policy")."""
+0.85 before, docs/studies.md "The launch policy")."""
 PRIOR_MARGIN = 0.20
 """On a GPU, until the study has measured it, at least this fraction of the need is kept free: the allocator's
 fragmentation and the CUDA context are not measured on CPU ranks. Published anchor: no OOM in 454 runs whose

@@ -83,7 +83,7 @@ class ActivationSource(StrEnum):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SeedModel:
-    """A model given by explicit numbers, as in the seed document (``../shared/seeds/``).
+    """A model given by explicit numbers, as in the seed document (docs/ledger.md, "Seed mode").
 
     Parameters, activation bytes per checkpointing option and buffer bytes are stated, not
     derived. Activation figures are per GPU at the study's baseline micro-batch and in

@@ -1,7 +1,7 @@
 """Byte quantities: parsing from study files and printing for people.
 
 Bytes are integers everywhere in dsopt. In the UI, ``GB`` is 10^9 bytes and ``GiB`` is
-2^30 bytes; every printed figure says which (STYLE.md, "Values, names, units").
+2^30 bytes; every printed figure says which (docs/layout.md, "Conventions").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Several ``dsopt worker`` processes on one study in a real PostgreSQL, with real DeepSpeed trials on CPU ranks.
 
-Checks the issue's promises from what actually happened: the launch log every launch appends to
+Checks the promises of many workers on one study from what actually happened: the launch log every launch appends to
 (``launches.jsonl``, written by the trial launcher, not by the coordination code) and the Optuna storage.
 """
 

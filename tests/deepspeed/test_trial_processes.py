@@ -30,8 +30,8 @@ def _started(proc: subprocess.Popen, folder: Path) -> None:
 
 def test_a_leaked_rank_of_this_folder_is_found_and_no_other(tmp_path):
     mine, other = tmp_path / "mine", tmp_path / "mine-not"  # a common prefix is not the same folder
-    leaked = _fake_rank(mine / "trials" / "z0-fp32-none-mbs2")
-    elsewhere = _fake_rank(other / "trials" / "z0-fp32-none-mbs2")
+    leaked = _fake_rank(mine / "trials" / "z0_fp32_ckpt=none_mbs=2")
+    elsewhere = _fake_rank(other / "trials" / "z0_fp32_ckpt=none_mbs=2")
     try:
         _started(leaked, mine)
         _started(elsewhere, other)

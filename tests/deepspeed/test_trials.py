@@ -90,7 +90,7 @@ def test_zero_stages_measure_and_agree_with_fp32_reference(study, reference, sta
     result = _run(study, reference, zero_stage=stage)
     assert result.outcome is Outcome.OK, result.message + result.log_tail
     assert result.loss_fidelity is not None and result.loss_fidelity <= 1e-4
-    trial_dir = study.output_dir / "trials" / f"z{stage}-fp32-none-mbs2"
+    trial_dir = study.output_dir / "trials" / f"z{stage}_fp32_ckpt=none_mbs=2"
     plan = json.loads((trial_dir / "plan.json").read_text())
     model = build_model(plan["model"], checkpointing=plan["checkpointing"])  # what the ranks built
     psi = sum(p.numel() for p in model.parameters())  # the tied head counted once
