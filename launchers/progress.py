@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 import optuna
 
-from optimizer.results.progress import eta_s, status_text, trial_line, trial_summary
+from optimizer.results.progress import counts, eta_s, status_text, trial_line, trial_summary
 from optimizer.study.knobs import Candidate
 
 
@@ -77,7 +77,6 @@ class Progress:
 
     def finished(self, study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
         """Optuna's callback: report the trial that just ended (and the study's counts and front)."""
-        from launchers.study_run import counts
 
         if self._started is not None:
             self.wall_s.append(time.monotonic() - self._started)

@@ -67,21 +67,6 @@ def default_storage(spec: StudySpec) -> str:
     return f"sqlite:///{(spec.output_dir / 'study.db').resolve()}"
 
 
-def counts(study: optuna.Study, *, trials: list[optuna.trial.FrozenTrial] | None = None) -> dict[str, int]:
-    """Trials by kind: measured, reused, pruned (by the ledger), held (by the launch margin), failed, running."""
-    trials = study.get_trials(deepcopy=False) if trials is None else trials
-    complete = [t for t in trials if t.state is TrialState.COMPLETE]
-    pruned = [t for t in trials if t.state is TrialState.PRUNED]
-    return {
-        "measured": sum(1 for t in complete if "reused_from" not in t.user_attrs),
-        "reused": sum(1 for t in complete if "reused_from" in t.user_attrs),
-        "pruned": sum(1 for t in pruned if not t.user_attrs.get("held")),
-        "held": sum(1 for t in pruned if t.user_attrs.get("held")),
-        "failed": sum(1 for t in trials if t.state is TrialState.FAIL),
-        "running": sum(1 for t in trials if t.state is TrialState.RUNNING),
-    }
-
-
 def _say(worker: str, text: str) -> None:
     print(f"[{worker}] {text}", file=sys.stderr, flush=True)
 

@@ -26,12 +26,13 @@ def tiny(repo_root, tmp_path):
 
 def test_every_launched_trial_has_its_config_result_and_log_tail_in_the_store(tiny, tmp_path):
     study = studied(tiny)
+    storage = optuna.storages.get_storage(f"sqlite:///{tiny.output_dir / 'study.db'}")
     store = FileSystemArtifactStore(default_store_dir(tiny.output_dir))
     launched = [t for t in study.trials if t.state is optuna.trial.TrialState.COMPLETE
                 and "reused_from" not in t.user_attrs]
     assert launched
     for trial in launched:
-        metas = {m.filename: m for m in get_all_artifact_meta(trial, storage=study._storage)}
+        metas = {m.filename: m for m in get_all_artifact_meta(trial, storage=storage)}
         assert set(metas) == {"ds_config.json", "result.json", "log-tail.txt"}
         path = tmp_path / f"config-{trial.number}.json"
         download_artifact(artifact_store=store, artifact_id=metas["ds_config.json"].artifact_id, file_path=str(path))
@@ -41,7 +42,7 @@ def test_every_launched_trial_has_its_config_result_and_log_tail_in_the_store(ti
         assert len(tail.read_text()) == LOG_TAIL_CHARS and tail.read_text().endswith("the last line\n")
     for trial in study.trials:
         if trial not in launched:  # pruned, held or reused: launched nothing, uploaded nothing
-            assert get_all_artifact_meta(trial, storage=study._storage) == []
+            assert get_all_artifact_meta(trial, storage=storage) == []
 
 
 def test_dsopt_dashboard_serves_the_study_its_labels_and_a_trials_files(tiny):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from optimizer.cli.common import positive_int, stored_study
-from optimizer.search.storage import redact
+from optimizer.cli.common import positive_int
+from optimizer.search.storage import load_stored, redact
 from optimizer.study.errors import UserError
 from optimizer.study.study_file import load_study
 
@@ -17,7 +17,8 @@ def run(args: argparse.Namespace) -> int:
     from launchers.artifacts import default_store_dir
 
     study = load_study(args.study)
-    stored = stored_study(study, args.storage)  # readable, never created
+    _, opened = load_stored(name=study.name, default_path=study.output_dir / "study.db", storage=args.storage,
+                            study_path=study.path)  # readable, never created
     try:
         from optuna_dashboard import run_server
     except ImportError:
@@ -28,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"dsopt: optuna-dashboard for study {study.name} at http://{args.host}:{args.port}/ (storage "
           f"{redact(args.storage or str(study.output_dir / 'study.db'))}; trial files "
           f"{folder if store else 'none yet'}); Ctrl-C stops it", flush=True)
-    run_server(stored._storage, host=args.host, port=args.port, artifact_store=store)  # the opened storage
+    run_server(opened, host=args.host, port=args.port, artifact_store=store)
     return 0
 
 

@@ -14,8 +14,9 @@ def _run(study: StudySpec, storage: str, args: argparse.Namespace, *, parallel: 
          gpus: tuple[str, ...] | None) -> int:
     """``dsopt study run`` and ``dsopt worker``: run, then one summary line."""
     from launchers.progress import ProgressMode
-    from launchers.study_run import counts, run_study
+    from launchers.study_run import run_study
     from launchers.trial import ReferenceFailed
+    from optimizer.results.progress import counts
 
     mode = ProgressMode.JSONL if args.jsonl else ProgressMode.QUIET if args.quiet else ProgressMode.HUMAN
     try:

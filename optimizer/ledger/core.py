@@ -74,10 +74,14 @@ class Ledger:
     def _phase_bytes(self, location: Location | tuple[Location, ...], phase: Phase) -> int:
         return sum(i.bytes for i in self._at(location, phase))
 
+    def _largest_transient(self, location: Location | tuple[Location, ...]) -> Phase:
+        """The training phase whose transient items at ``location`` weigh most (the earlier one on a tie)."""
+        return max(TRANSIENT_PHASES, key=lambda ph: (self._phase_bytes(location, ph), -TRANSIENT_PHASES.index(ph)))
+
     def peak_phase_at(self, location: Location | tuple[Location, ...]) -> Phase:
         """The phase of the peak at ``location`` (or at several locations that share one memory)."""
         always = self._phase_bytes(location, Phase.ALWAYS)
-        best = max(TRANSIENT_PHASES, key=lambda ph: (self._phase_bytes(location, ph), -TRANSIENT_PHASES.index(ph)))
+        best = self._largest_transient(location)
         if self._phase_bytes(location, Phase.INIT) > always + self._phase_bytes(location, best):
             return Phase.INIT
         return best
@@ -146,8 +150,7 @@ class Ledger:
         device's share. 0 on a GPU, whose device is measured apart."""
         if not self.device_is_host:
             return 0
-        where = self.host_locations
-        phase = max(TRANSIENT_PHASES, key=lambda ph: (self._phase_bytes(where, ph), -TRANSIENT_PHASES.index(ph)))
+        phase = self._largest_transient(self.host_locations)
         return self._phase_bytes(Location.HOST, Phase.ALWAYS) + self._phase_bytes(Location.HOST, phase)
 
     def init_bytes_at(self, location: Location | tuple[Location, ...]) -> int:
@@ -168,8 +171,7 @@ class Ledger:
         parameters, gradients, optimizer states, master weights — are counted from the parameter inventory
         and DeepSpeed's own partitioning, checked byte for byte on real ranks (tests/deepspeed/
         test_model_states_real.py). The launch margin scales with this share (:mod:`optimizer.search.ordering`)."""
-        transient = max(TRANSIENT_PHASES, key=lambda ph: (self._phase_bytes(Location.GPU, ph),
-                                                           -TRANSIENT_PHASES.index(ph)))
+        transient = self._largest_transient(Location.GPU)
         live = self._at(Location.GPU, Phase.ALWAYS) + self._at(Location.GPU, transient)
         return sum(i.bytes for i in live if i.category is Category.ACTIVATIONS
                    or (i.category is Category.BUFFERS and i.phase is not Phase.ALWAYS))

@@ -90,3 +90,18 @@ def eta_s(*, wall_s: list[float], left: int) -> float | None:
     if not wall_s:
         return None
     return sum(wall_s) / len(wall_s) * max(0, left)
+
+
+def counts(study: optuna.Study, *, trials: list[optuna.trial.FrozenTrial] | None = None) -> dict[str, int]:
+    """Trials by kind: measured, reused, pruned (by the ledger), held (by the launch margin), failed, running."""
+    trials = study.get_trials(deepcopy=False) if trials is None else trials
+    complete = [t for t in trials if t.state is TrialState.COMPLETE]
+    pruned = [t for t in trials if t.state is TrialState.PRUNED]
+    return {
+        "measured": sum(1 for t in complete if "reused_from" not in t.user_attrs),
+        "reused": sum(1 for t in complete if "reused_from" in t.user_attrs),
+        "pruned": sum(1 for t in pruned if not t.user_attrs.get("held")),
+        "held": sum(1 for t in pruned if t.user_attrs.get("held")),
+        "failed": sum(1 for t in trials if t.state is TrialState.FAIL),
+        "running": sum(1 for t in trials if t.state is TrialState.RUNNING),
+    }

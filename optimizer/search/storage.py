@@ -243,6 +243,14 @@ def check_readable(storage: str) -> None:
 def load_stored_study(*, name: str, default_path: Path, storage: str | None, study_path: Path,
                       workers: WorkerSettings | None = None) -> Any:
     """The stored Optuna study, or a UserError; never creates a storage just to read it."""
+    return load_stored(name=name, default_path=default_path, storage=storage, study_path=study_path,
+                       workers=workers)[0]
+
+
+def load_stored(*, name: str, default_path: Path, storage: str | None, study_path: Path,
+                workers: WorkerSettings | None = None) -> tuple[Any, Any]:
+    """The stored Optuna study and the storage it was opened on (for a server that serves it:
+    optuna-dashboard), or a UserError; never creates a storage just to read it."""
     import optuna
 
     if storage is None:
@@ -253,7 +261,7 @@ def load_stored_study(*, name: str, default_path: Path, storage: str | None, stu
     check_readable(storage)
     opened = open_storage(storage, workers=workers or WorkerSettings())
     try:
-        return optuna.load_study(study_name=name, storage=opened)
+        return optuna.load_study(study_name=name, storage=opened), opened
     except KeyError:
         raise UserError(source="--storage", key=redact(storage), why=f"no study named {name!r} in it") from None
     except Exception as err:

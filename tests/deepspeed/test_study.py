@@ -15,10 +15,11 @@ import pytest
 import yaml
 from trial_processes import trial_processes
 
-from launchers.study_run import counts, default_storage, run_study
+from launchers.study_run import default_storage, run_study
 from launchers.trial import run_trial
 from optimizer.cli import main
 from optimizer.results.pareto import feasible_front
+from optimizer.results.progress import counts
 from optimizer.results.trial_result import Outcome
 from optimizer.search.ordering import over_budget_trials
 from optimizer.study.knobs import with_knobs
