@@ -1,0 +1,130 @@
+"""What a trial leaves on disk and reads back: JIT-build locks of killed ranks, result.json (versions, host memory
+seen, an OOM kill recorded), and the FP32 reference cache keyed on the library versions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from trial_fixtures import NEAR, GiB, rank_report
+
+from optimizer.results.trial_result import Outcome
+
+
+def test_stale_build_locks_are_cleared_but_fresh_ones_kept(tmp_path):
+    import os
+    import time
+
+    from launchers.local import clear_stale_build_locks
+
+    stale = tmp_path / "py311_cpu" / "fused_adam" / "lock"
+    fresh = tmp_path / "py311_cpu" / "cpu_adam" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    old = time.time() - 86400  # a day: past any rule for unrecorded locks
+    os.utime(stale, (old, old))
+    assert clear_stale_build_locks(tmp_path) == [stale]
+    assert not stale.exists() and fresh.exists()
+
+
+def _tiny_study(repo_root, tmp_path):
+    import shutil
+
+    from optimizer.study.study_file import load_study
+
+    shutil.copy(repo_root / "studies" / "cpu-tiny.yaml", tmp_path / "cpu-tiny.yaml")
+    return load_study(tmp_path / "cpu-tiny.yaml")  # outputs go to tmp_path/cpu-tiny/
+
+
+def _fake_launch(monkeypatch, *, reports, returncode, evidence=None):
+    """Replace the launch (no ranks start): ``reports`` are written as the ranks' ``rank<r>.json``."""
+    import json
+
+    import launchers.trial as trial
+    from launchers.local import Execution
+
+    def execute(plan, *, timeout_s, log_path):
+        out_dir = Path(plan.argv[-1])  # launchers.workloads.trial_rank PLAN.json OUT_DIR
+        for rank, report in reports.items():
+            (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+        log_path.write_text("torchrun log\n")
+        return Execution(returncode=returncode, timed_out=False, wall_s=0.5)
+
+    monkeypatch.setattr(trial, "execute", execute)
+    if evidence is not None:
+        class Watch:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return None
+
+            def evidence(self):
+                return evidence
+
+        monkeypatch.setattr(trial, "HostWatch", Watch)
+
+
+def test_result_json_carries_the_versions_and_the_host_memory_seen(repo_root, tmp_path, monkeypatch):
+    import json
+
+    from launchers.trial import run_trial
+    from optimizer.deepspeed.versions import installed_versions
+    from optimizer.study.specs import baseline_candidate
+
+    study = _tiny_study(repo_root, tmp_path)
+    _fake_launch(monkeypatch, reports={0: rank_report(0, losses=[2.0, 1.9, 1.8, 1.7, 1.6]),
+                                       1: rank_report(1, losses=[2.0, 1.9, 1.8, 1.7, 1.6])}, returncode=0)
+    result = run_trial(study=study, candidate=baseline_candidate(study.training), trial_dir=tmp_path / "t")
+    assert result.outcome is Outcome.OK
+    data = json.loads((tmp_path / "t" / "result.json").read_text())
+    assert data["versions"] == installed_versions()
+    assert set(data["versions"]) == {"torch", "deepspeed", "transformers", "dsopt"}
+    assert data["versions"]["torch"] == torch.__version__
+    assert data["host_memory"]["samples"] >= 1  # the real watch ran around the (fake) launch
+
+
+def test_a_launch_the_oom_killer_ended_is_recorded_as_oom_host(repo_root, tmp_path, monkeypatch):
+    import json
+
+    from launchers.trial import run_trial
+    from optimizer.study.specs import baseline_candidate
+
+    study = _tiny_study(repo_root, tmp_path)
+    _fake_launch(monkeypatch, reports={}, returncode=-9, evidence=NEAR)
+    result = run_trial(study=study, candidate=baseline_candidate(study.training), trial_dir=tmp_path / "t")
+    assert result.outcome is Outcome.OOM_HOST
+    data = json.loads((tmp_path / "t" / "result.json").read_text())
+    assert data["outcome"] == "oom_host" and data["host_memory"]["peak_used_bytes"] == 31 * GiB
+
+
+def test_a_reference_cached_under_other_versions_is_run_again(repo_root, tmp_path, monkeypatch):
+    import json
+
+    import launchers.trial as trial
+    from optimizer.deepspeed.versions import installed_versions
+    from optimizer.results.trial_result import TrialResult
+
+    study = _tiny_study(repo_root, tmp_path)
+    current = installed_versions()
+    other = {**current, "deepspeed": "0.16.0"}
+    assert trial.reference_key(study, versions=current) == trial.reference_key(study)
+    assert trial.reference_key(study, versions=other) != trial.reference_key(study)
+    assert trial.reference_key(study, versions={**current, "torch": "2.5.1"}) != trial.reference_key(study)
+    runs = []
+
+    def run_trial(**kwargs):  # the reference launch, without ranks
+        runs.append(kwargs["candidate"])
+        return TrialResult(outcome=Outcome.OK, losses=(2.0, 1.5))
+
+    monkeypatch.setattr(trial, "run_trial", run_trial)
+    cache = study.output_dir / "reference.json"
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({"key": trial.reference_key(study, versions=other), "versions": other,
+                                 "losses": [9.0, 9.0]}))
+    assert trial.reference_losses(study) == [2.0, 1.5]  # not the stale 9.0s
+    assert len(runs) == 1
+    stored = json.loads(cache.read_text())
+    assert stored["key"] == trial.reference_key(study) and stored["versions"] == current
+    assert trial.reference_losses(study) == [2.0, 1.5] and len(runs) == 1  # now served from the cache
