@@ -22,13 +22,15 @@ from launchers.artifacts import LOG_TAIL_CHARS
 from launchers.progress import ProgressMode
 from launchers.study_run import run_study
 from launchers.trial import trial_dir_for
+from optimizer.ledger.core import evaluate
 from optimizer.results.trial_result import Outcome, RankMeasurement, TrialResult
 from optimizer.study.study_file import StudySpec
 
 
 def studied(spec: StudySpec, *, n_trials: int = 4) -> optuna.Study:
-    """``n_trials`` trials of ``spec`` through run_study; a launch of micro-batch b reports (1 + b)·10^5 bytes
-    and 1000·b tokens/s, so several candidates are on the front."""
+    """``n_trials`` trials of ``spec`` through run_study; a launch of micro-batch b reports a device share of
+    (1 + b)·10^5 bytes (its peak is that + the ledger's host items, which CPU ranks measure in the same memory)
+    and 1000·b tokens/s, so each micro-batch launched is a point of the front."""
     def runner(candidate, _reference):
         folder = trial_dir_for(spec, candidate)
         folder.mkdir(parents=True, exist_ok=True)
@@ -36,8 +38,11 @@ def studied(spec: StudySpec, *, n_trials: int = 4) -> optuna.Study:
         (folder / "result.json").write_text(json.dumps({"outcome": "ok"}))
         (folder / "log.txt").write_text("x" * LOG_TAIL_CHARS + "the last line\n")
         b = candidate.micro_batch_size
-        rank = RankMeasurement(rank=0, peak_allocated_bytes=(1 + b) * 10**5, peak_reserved_bytes=None,
-                               peak_rss_bytes=0, step_times_s=(0.1,), training_peak_allocated_bytes=(1 + b) * 10**5)
+        ledger = evaluate(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training).ledger
+        assert ledger is not None
+        peak = ledger.training_host_share_bytes + (1 + b) * 10**5
+        rank = RankMeasurement(rank=0, peak_allocated_bytes=peak, peak_reserved_bytes=None, peak_rss_bytes=0,
+                               step_times_s=(0.1,), training_peak_allocated_bytes=peak)
         return TrialResult(outcome=Outcome.OK, ranks=(rank,), step_time_s=0.1 / b, tokens_per_s=1000.0 * b,
                            loss_fidelity=0.0, losses=(5.0,))
 
