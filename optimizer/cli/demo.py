@@ -29,8 +29,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"\ntrials: {c['measured']} launched and measured, {c['reused']} reused, {c['pruned']} pruned by the "
           f"ledger (never launched), {c['held']} held by the launch margin, {c['failed']} failed (oom included); wall "
           f"time {demo.wall_s:.0f} s")
-    print(f"picked (balanced): trial #{trial.number} {trial.user_attrs['candidate']}: {trial.values[0] / 1e6:.3f} MB "
-          f"per rank, {trial.values[1]:,.0f} tokens/s, loss fidelity {trial.user_attrs.get('loss_fidelity', 0):.1e}")
+    label = trial.user_attrs.get("label", trial.user_attrs["candidate"])
+    print(f"picked (balanced): trial #{trial.number} {label}: {trial.values[0] / 1e6:.3f} MB per rank, "
+          f"{trial.values[1]:,.0f} tokens/s, loss fidelity {trial.user_attrs.get('loss_fidelity', 0):.1e}")
     print(f"DeepSpeed config: {demo.config_path}\nPareto plots: {demo.png_path}, {demo.html_path}")
     return 0
 

@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
         f"{'.hf' if args.hf else ''}.json"
     write_atomically(out, export_text(config), force=args.force)
     attrs = trial.user_attrs
-    print(f"picked trial #{trial.number} ({args.pick}): {attrs.get('candidate')}")
+    print(f"picked trial #{trial.number} ({args.pick}): {attrs.get('label', attrs.get('candidate'))}")
     print(f"measured: training memory {trial.values[0] / 1e6:.3f} MB per device (10^6 bytes), "
           f"{trial.values[1]:,.0f} tokens/s, "
           f"loss fidelity {attrs.get('loss_fidelity', float('nan')):.1e}"

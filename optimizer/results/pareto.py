@@ -64,7 +64,7 @@ def pick_trial(study: optuna.Study, how: str) -> optuna.trial.FrozenTrial:
 
 
 def front_table(study: optuna.Study, *, budget_bytes: int | None = None) -> str:
-    """The front as a table: peak memory, throughput, fidelity, the knobs; with ``budget_bytes`` the header
+    """The front as a table: peak memory, throughput, fidelity, the candidate's label; with ``budget_bytes`` the header
     names the per-device budget and how many launches ended over it (outcome ``oom``, never on the front)."""
     front = feasible_front(study)
     lines = [f"study {study.study_name}: feasible Pareto front, {len(front)} trial(s) (MB = 10^6 bytes)"]
@@ -73,11 +73,10 @@ def front_table(study: optuna.Study, *, budget_bytes: int | None = None) -> str:
                    if t.user_attrs.get("outcome") == "oom" and "reused_from" not in t.user_attrs)
         lines.append(f"  per-device budget {budget_bytes / 1e6:,.3f} MB; {ooms} launch(es) ended out of memory "
                      "or measured over it (outcome oom, not on the front)")
-    lines.append(f"  {'trial':>5} {'train MB':>10} {'tokens/s':>10} {'fidelity':>9}  knobs")
+    lines.append(f"  {'trial':>5} {'train MB':>10} {'tokens/s':>10} {'fidelity':>9}  candidate")
     for t in front:
-        k = t.user_attrs.get("candidate", {})
-        knobs = " ".join(f"{name}={value}" for name, value in k.items())
+        label = t.user_attrs.get("label") or " ".join(f"{k}={v}" for k, v in t.user_attrs.get("candidate", {}).items())
         fidelity = t.user_attrs.get("loss_fidelity")
         lines.append(f"  {t.number:>5} {t.values[0] / 1e6:>10.3f} {t.values[1]:>10,.0f} "
-                     f"{'-' if fidelity is None else format(fidelity, '.1e'):>9}  {knobs}")
+                     f"{'-' if fidelity is None else format(fidelity, '.1e'):>9}  {label}")
     return "\n".join(lines)
