@@ -73,12 +73,13 @@ def test_pruned_trials_never_started_a_process(finished):
 
 
 def test_export_loads_in_deepspeed_and_trains(finished, capsys):
-    spec, _ = finished
+    spec, study = finished
     out = spec.output_dir / "exported.json"
     assert main(["export", str(spec.path), "--pick", "fastest", "--out", str(out)]) == 0
     config = json.loads(out.read_text())
-    knobs = json.loads(capsys.readouterr().out.split("): ", 1)[1].split("\n", 1)[0].replace("'", '"'))
-    candidate = with_knobs(baseline_candidate(spec.training), knobs)
+    fastest = max(feasible_front(study), key=lambda t: t.values[1])
+    assert f"picked trial #{fastest.number} (fastest): {fastest.user_attrs['label']}\n" in capsys.readouterr().out
+    candidate = with_knobs(baseline_candidate(spec.training), fastest.user_attrs["candidate"])
     result = run_trial(study=spec, candidate=candidate, trial_dir=spec.output_dir / "export-check", ds_config=config)
     assert result.outcome is Outcome.OK, result.message + result.log_tail
     assert len(result.losses) == spec.trial.warmup_steps + spec.trial.measured_steps
