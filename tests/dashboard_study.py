@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import optuna
 
 from launchers.artifacts import LOG_TAIL_CHARS
+from launchers.local import free_port
 from launchers.progress import ProgressMode
 from launchers.study_run import run_study
 from launchers.trial import trial_dir_for
@@ -48,12 +48,6 @@ def studied(spec: StudySpec, *, n_trials: int = 4) -> optuna.Study:
 
     return run_study(spec=spec, storage=f"sqlite:///{spec.output_dir / 'study.db'}", n_trials=n_trials,
                      timeout_s=None, runner=runner, reference=lambda: [5.0], progress=ProgressMode.QUIET)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

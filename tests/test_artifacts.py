@@ -6,7 +6,6 @@ API and through a real ``dsopt dashboard`` server."""
 from __future__ import annotations
 
 import json
-import shutil
 import urllib.request
 
 import optuna
@@ -15,13 +14,6 @@ from dashboard_study import dashboard, studied
 from optuna.artifacts import FileSystemArtifactStore, download_artifact, get_all_artifact_meta
 
 from launchers.artifacts import LOG_TAIL_CHARS, default_store_dir
-from optimizer.study.study_file import load_study
-
-
-@pytest.fixture
-def tiny(repo_root, tmp_path):
-    shutil.copy(repo_root / "studies" / "cpu-tiny.yaml", tmp_path / "cpu-tiny.yaml")
-    return load_study(tmp_path / "cpu-tiny.yaml")
 
 
 def test_every_launched_trial_has_its_config_result_and_log_tail_in_the_store(tiny, tmp_path):

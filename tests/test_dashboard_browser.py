@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 from dashboard_study import dashboard, studied
 
-from optimizer.study.study_file import load_study
-
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [pytest.mark.skipif(CHROMIUM is None, reason="no chromium: `bash dev.sh services` installs Debian's"),
               pytest.mark.slow]
@@ -35,12 +33,6 @@ def _chromium(profile: Path, *args: str) -> str:
                           timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
-
-
-@pytest.fixture
-def tiny(repo_root, tmp_path):
-    shutil.copy(repo_root / "studies" / "cpu-tiny.yaml", tmp_path / "cpu-tiny.yaml")
-    return load_study(tmp_path / "cpu-tiny.yaml")
 
 
 def test_the_dashboard_page_shows_the_pareto_front_and_a_trials_files(tiny, tmp_path):

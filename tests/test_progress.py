@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 
 import optuna
-import pytest
 
 from launchers.progress import Progress, ProgressMode
 from launchers.study_run import run_study
@@ -17,13 +15,6 @@ from optimizer.results.progress import duration_text, eta_s, status_text, trial_
 from optimizer.results.trial_result import Outcome, RankMeasurement, TrialResult
 from optimizer.study.knobs import Precision, ZeroStage
 from optimizer.study.specs import baseline_candidate
-from optimizer.study.study_file import load_study
-
-
-@pytest.fixture
-def tiny(repo_root, tmp_path):
-    shutil.copy(repo_root / "studies" / "cpu-tiny.yaml", tmp_path / "cpu-tiny.yaml")
-    return load_study(tmp_path / "cpu-tiny.yaml")
 
 
 def _trial(state, *, values=None, **attrs):

@@ -8,11 +8,11 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from optimizer.ledger.transformer import parameter_count
 from optimizer.perf.throughput import StepTime, predict_candidate
-from optimizer.search.storage import load_stored_study
+from optimizer.search.storage import load_stored
 from optimizer.study.errors import UserError
 from optimizer.study.knobs import KNOB_NAMES, Candidate, parse_knob
 from optimizer.study.specs import SeedModel, TransformerModel
@@ -155,8 +155,13 @@ def progress_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--jsonl", action="store_true", help="one JSON object per finished trial on stdout (for "
                        "scripts); everything else on stderr")
 
+def stored(study: StudySpec, storage: str | None) -> tuple[optuna.Study, Any]:
+    """The study's stored trials and the storage they were read from, read-only: a missing file or a database
+    without Optuna's tables is refused (:func:`optimizer.search.storage.load_stored`), never created."""
+    return load_stored(name=study.name, default_path=study.output_dir / "study.db", storage=storage,
+                       study_path=study.path)
+
+
 def stored_study(study: StudySpec, storage: str | None) -> optuna.Study:
-    """The study's stored trials, read-only: a missing file or a database without Optuna's tables is refused
-    (:func:`optimizer.search.storage.load_stored_study`), never created."""
-    return load_stored_study(name=study.name, default_path=study.output_dir / "study.db", storage=storage,
-                             study_path=study.path)
+    """:func:`stored`'s study alone."""
+    return stored(study, storage)[0]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from optimizer.cli.common import positive_int
-from optimizer.search.storage import load_stored, redact
+from optimizer.cli.common import positive_int, stored
+from optimizer.search.storage import redact
 from optimizer.study.errors import UserError
 from optimizer.study.study_file import load_study
 
@@ -17,8 +17,7 @@ def run(args: argparse.Namespace) -> int:
     from launchers.artifacts import default_store_dir
 
     study = load_study(args.study)
-    _, opened = load_stored(name=study.name, default_path=study.output_dir / "study.db", storage=args.storage,
-                            study_path=study.path)  # readable, never created
+    _, opened = stored(study, args.storage)  # readable, never created
     try:
         from optuna_dashboard import run_server
     except ImportError:

@@ -240,13 +240,6 @@ def check_readable(storage: str) -> None:
                         "foreign database); reading never writes them")
 
 
-def load_stored_study(*, name: str, default_path: Path, storage: str | None, study_path: Path,
-                      workers: WorkerSettings | None = None) -> Any:
-    """The stored Optuna study, or a UserError; never creates a storage just to read it."""
-    return load_stored(name=name, default_path=default_path, storage=storage, study_path=study_path,
-                       workers=workers)[0]
-
-
 def load_stored(*, name: str, default_path: Path, storage: str | None, study_path: Path,
                 workers: WorkerSettings | None = None) -> tuple[Any, Any]:
     """The stored Optuna study and the storage it was opened on (for a server that serves it:
