@@ -39,6 +39,7 @@ class Progress:
         self.err = err if err is not None else sys.stderr
         self.out = out if out is not None else sys.stdout
         self.ran = 0
+        self.launches = 0
         self.now: str | None = None
         self.wall_s: list[float] = []
         self._started: float | None = None
@@ -59,15 +60,22 @@ class Progress:
 
     def _refresh(self) -> None:
         if self._bar is not None:
-            left = None if self.target is None else self.target - self.ran
+            left = None if self.target is None else self.target - self.launches
             self._bar.set_description_str(status_text(
-                counts=self._counts, ran=self.ran, target=self.target, now=self.now, best=self._best,
+                counts=self._counts, ran=self.ran, launches=self.launches, target=self.target, now=self.now,
+                best=self._best,
                 eta_s=eta_s(wall_s=self.wall_s, left=left) if left is not None else None))
 
     def say(self, text: str) -> None:
         """The worker's own message (setting up, waiting, stopping): shown in every mode but ``jsonl``, where it
         goes to stderr all the same (stdout carries only the records)."""
         self._write(f"[{self.worker}] {text}")
+
+    def launched(self, launches: int) -> None:
+        """This worker's real launches so far (retries and the FP32 reference included): what ``--n-trials``
+        counts."""
+        self.launches = launches
+        self._refresh()
 
     def started(self, candidate: Candidate) -> None:
         """A launch of ``candidate`` begins."""

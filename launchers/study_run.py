@@ -7,13 +7,14 @@ rules) and :mod:`launchers.trial` (the launches). A worker:
 1. opens the storage and creates or joins the study;
 2. sets it up once per study file (setup lease): enqueues the ledger's most promising candidates and runs
    the FP32 reference; the other workers wait for it;
-3. runs one trial at a time until its own ``--n-trials``/``--timeout``, the study's global budget, or the
-   search space is exhausted (every candidate that fits has a final result). When the only candidates left
-   are being launched by other workers it waits instead of sampling. With a heartbeat storage it fails the
-   trials of dead workers first (Optuna's ``fail_stale_trials``), which puts them back in the queue.
+3. runs one trial at a time until its own ``--n-trials`` (real launches, retries and the reference included:
+   a pruned, held or reused proposal launches nothing and spends nothing) or ``--timeout``, the study's global
+   budget, or the search space is exhausted (every candidate that may fit has a final result). When the only
+   candidates left are being launched by other workers it waits instead of sampling. With a heartbeat storage
+   it fails the trials of dead workers first (Optuna's ``fail_stale_trials``), which puts them back in the queue.
+   A stop by a limit lists the candidates left untried, with their predicted speed and probability to fit.
 
-Progress is one line per finished trial on stderr: the worker, trials measured, reused, pruned, failed,
-running, and the best so far.
+Progress is one line per finished trial on stderr (:mod:`launchers.progress`).
 """
 
 from __future__ import annotations
@@ -31,28 +32,32 @@ from launchers.artifacts import default_store_dir, uploader
 from launchers.progress import Progress, ProgressMode
 from launchers.trial import reference_key, reference_losses, run_trial, trial_dir_for
 from optimizer.ledger.core import evaluate
-from optimizer.results.trial_result import TrialResult
+from optimizer.ledger.items import Location
+from optimizer.results.trial_result import StopAbove, TrialResult
 from optimizer.search.coordination import (
     CREATED_ATTR,
+    LAUNCHES_ATTR,
     LEASE_REFRESH_S,
+    REFERENCE_LAUNCHES_ATTR,
+    WORKER_ATTR,
     SetupLease,
+    active_claims,
     budget_spent,
     now_utc,
     worker_id,
 )
-from optimizer.search.next_launch import final_keys, next_candidate
-from optimizer.search.objective import LaunchGate, TrialFailed, make_objective, open_study, seed_study
+from optimizer.search.next_launch import Option, final_keys, options
+from optimizer.search.objective import POLICY_MARK, LaunchGate, TrialFailed, make_objective, open_study, seed_study
 from optimizer.search.ordering import (
     CALIBRATION_ATTR,
     EXPLORE_EVERY,
     StudyModels,
-    calibrated_verdict_fits,
-    launchable,
     predicted_speed,
     study_models,
 )
 from optimizer.search.space import Branches, branches, distribution_params, in_space
 from optimizer.search.storage import StorageKind, check_shared_storage, storage_kind
+from optimizer.search.untried import untried_text
 from optimizer.study.knobs import Candidate
 from optimizer.study.specs import baseline_candidate
 from optimizer.study.study_file import StudySpec
@@ -72,9 +77,12 @@ def _say(worker: str, text: str) -> None:
 
 
 def setup_study(*, study: optuna.Study, spec: StudySpec, space: Branches, worker: str,
-                reference: Callable[[], list[float]], wait_s: float = WAIT_S) -> list[float]:
+                reference: Callable[[], list[float]], wait_s: float = WAIT_S,
+                reference_launches: Callable[[], int] = lambda: 0) -> list[float]:
     """Seed the study and obtain the FP32 reference losses exactly once per study file (setup lease);
-    returns the reference losses. Other workers wait for the holder; a dead holder's lease is taken over."""
+    returns the reference losses. Other workers wait for the holder; a dead holder's lease is taken over.
+    ``reference_launches`` says, before the reference is obtained, how many launches it will take (1 unless
+    it is cached): the study records it, and ``budget.max_launches`` counts it."""
     lease = SetupLease(study, key=reference_key(spec), worker=worker)
     announced = False
     while not lease.ready():
@@ -87,7 +95,9 @@ def setup_study(*, study: optuna.Study, spec: StudySpec, space: Branches, worker
                     study.set_user_attr(CREATED_ATTR, now_utc().isoformat())
                 enqueued = seed_study(study, spec, space)
                 _say(worker, f"setting up the study: {enqueued} candidate(s) enqueued, FP32 reference run")
+                launches = reference_launches()
                 study.set_user_attr("reference_losses", reference())
+                study.set_user_attr(REFERENCE_LAUNCHES_ATTR, launches)
                 study.set_user_attr("reference_key", lease.key)
                 lease.finish()
             finally:
@@ -120,6 +130,8 @@ class StopReason:
 
     text: str
     """One line for the user."""
+    untried: tuple[Option, ...] = ()
+    """Candidates that may fit and were never tried, in launch order (a stop by a limit)."""
 
 
 WAIT = StopReason(text="every remaining candidate is being run by another worker; waiting")
@@ -151,7 +163,9 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     study = open_study(spec=spec, storage=storage, sampler=sampler)
     spec = with_traced_activations(spec)  # once the storage is known to be reachable; cached per study
     losses = setup_study(study=study, spec=spec, space=space, worker=worker,
-                         reference=reference or (lambda: reference_losses(spec, gpus=gpus)))
+                         reference=reference or (lambda: reference_losses(spec, gpus=gpus)),
+                         reference_launches=(lambda: 0) if reference is not None
+                         else (lambda: 0 if reference_cached(spec) else 1))
 
     def launch(candidate: Candidate) -> TrialResult:
         report.started(candidate)
@@ -159,7 +173,8 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
             return runner(candidate, losses)
         step = predicted_speed(candidate, spec=spec, models=current[0])  # calibrated once trials are measured
         return run_trial(study=spec, candidate=candidate, reference_losses=losses,
-                         step_s=None if isinstance(step, str) else step.total_s, gpus=gpus)
+                         step_s=None if isinstance(step, str) else step.total_s, gpus=gpus,
+                         stop_above=stop_above(spec, candidate))
 
     fail_stale = _fail_stale if storage_kind(storage) is StorageKind.POSTGRESQL else None
     gate = LaunchGate(budget=spec.budget, worker=worker, created_at=study.user_attrs.get(CREATED_ATTR),
@@ -178,6 +193,35 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     return study
 
 
+def reference_cached(spec: StudySpec) -> bool:
+    """Whether the FP32 reference's losses are cached for this study as it is now (no launch needed)."""
+    import json
+
+    cache = spec.output_dir / "reference.json"
+    try:
+        return json.loads(cache.read_text()).get("key") == reference_key(spec)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def stop_above(spec: StudySpec, candidate: Candidate) -> StopAbove | None:
+    """What the ranks may measure before they stop over the budget: the budget less the device reserve, plus
+    on CPU ranks the ledger's host items (one memory holds both there; the objective subtracts them again,
+    :func:`optimizer.search.objective.over_budget`)."""
+    ledger = evaluate(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training).ledger
+    if ledger is None:
+        return None
+    budget = ledger.gpu_capacity_bytes - spec.hardware.device_reserve_bytes
+    init_host = (ledger.init_bytes - ledger.init_bytes_at(Location.GPU)) if ledger.device_is_host else 0
+    return StopAbove(training_bytes=budget + ledger.training_host_share_bytes, init_bytes=budget + init_host)
+
+
+def worker_launches(trials: Sequence[optuna.trial.FrozenTrial], *, worker: str) -> int:
+    """Real launches of this worker's trials (retries included)."""
+    return sum(max(1, int(t.user_attrs.get(LAUNCHES_ATTR, 1))) for t in active_claims(trials)
+               if t.user_attrs.get(WORKER_ATTR) == worker)
+
+
 def _loop(study: optuna.Study, *, spec: StudySpec, space: Branches, gate: LaunchGate, base: Candidate,
           verdicts: list, current: list[StudyModels], report: Progress, launch: Callable[[Candidate], TrialResult],
           fail_stale: Callable[[optuna.Study], None] | None, n_trials: int | None, timeout_s: float | None) -> None:
@@ -186,20 +230,21 @@ def _loop(study: optuna.Study, *, spec: StudySpec, space: Branches, gate: Launch
                                artifact_dir=lambda candidate: str(trial_dir_for(spec, candidate)),
                                after_launch=uploader(default_store_dir(spec.output_dir), warn=report.say))
     start = time.monotonic()
-    ran = 0
+    proposals = 0
+    own_reference = int(study.user_attrs.get(REFERENCE_LAUNCHES_ATTR, 0)) \
+        if study.user_attrs.get("dsopt_setup", {}).get("worker") == gate.worker else 0
     announced_wait = False
     while True:
         if fail_stale is not None:
             fail_stale(study)
         trials = study.get_trials(deepcopy=False)
         current[0] = _refresh_models(study, spec=spec, trials=trials, base=base)
-        fitting = {v.candidate.label() for v in verdicts
-                   if launchable(v, models=current[0], key=v.candidate.label(),
-                                 budget_bytes=v.ledger.gpu_capacity_bytes)}
-        held = sum(1 for v in verdicts if v.candidate.label() not in fitting and calibrated_verdict_fits(
-            v, models=current[0], key=v.candidate.label(), budget_bytes=v.ledger.gpu_capacity_bytes))
-        stop = _stop_reason(trials=trials, spec=spec, gate=gate, fitting=fitting, ran=ran, n_trials=n_trials,
-                            elapsed_s=time.monotonic() - start, timeout_s=timeout_s, held=held)
+        ranked = options(spec=spec, space=space, trials=trials, models=current[0], verdicts=verdicts)
+        launched = worker_launches(trials, worker=gate.worker) + own_reference
+        report.launched(launched)
+        stop = _stop_reason(trials=trials, spec=spec, gate=gate, ranked=ranked, launched=launched,
+                            n_trials=n_trials, elapsed_s=time.monotonic() - start, timeout_s=timeout_s,
+                            reference_launches=int(study.user_attrs.get(REFERENCE_LAUNCHES_ATTR, 0)))
         if stop is WAIT:
             if not announced_wait:
                 report.say(WAIT.text)
@@ -208,12 +253,14 @@ def _loop(study: optuna.Study, *, spec: StudySpec, space: Branches, gate: Launch
             continue
         if stop is not None:
             report.say(f"stopping: {stop.text}")
+            if stop.untried:
+                report.say(untried_text(stop.untried))
             break
         announced_wait = False
-        if ran % EXPLORE_EVERY != EXPLORE_EVERY - 1:  # every third trial is the sampler's own choice
-            _guide(study, spec=spec, space=space, trials=trials, models=current[0], verdicts=verdicts)
+        if proposals % EXPLORE_EVERY != EXPLORE_EVERY - 1:  # every third proposal is the sampler's own choice
+            _guide(study, space=space, trials=trials, ranked=ranked, models=current[0])
         study.optimize(objective, n_trials=1, catch=(TrialFailed,), callbacks=[report.finished])
-        ran += 1
+        proposals += 1
 
 
 def _refresh_models(study: optuna.Study, *, spec: StudySpec, trials: list[optuna.trial.FrozenTrial],
@@ -226,37 +273,34 @@ def _refresh_models(study: optuna.Study, *, spec: StudySpec, trials: list[optuna
     return models
 
 
-def _guide(study: optuna.Study, *, spec: StudySpec, space: Branches, trials: list[optuna.trial.FrozenTrial],
-           models: StudyModels, verdicts: list) -> None:
-    """Enqueue the model's next choice unless a trial is already queued."""
-    if any(t.state is TrialState.WAITING for t in trials):
+def _guide(study: optuna.Study, *, space: Branches, trials: list[optuna.trial.FrozenTrial], ranked: list[Option],
+           models: StudyModels) -> None:
+    """Enqueue the launch policy's choice (:func:`optimizer.search.next_launch.options`' first) unless a trial is
+    already queued."""
+    if any(t.state is TrialState.WAITING for t in trials) or not ranked:
         return
-    choice = next_candidate(spec=spec, space=space, trials=trials, models=models, verdicts=verdicts)
-    if choice is not None:
-        study.enqueue_trial(distribution_params(choice, space),
-                            user_attrs={"enqueued_by": f"model ({models.rates.source})"})
+    study.enqueue_trial(distribution_params(ranked[0].candidate, space),
+                        user_attrs={"enqueued_by": f"{POLICY_MARK} ({models.rates.source})"})
 
 
-def _stop_reason(*, trials: list[optuna.trial.FrozenTrial], spec: StudySpec, gate: LaunchGate, fitting: set[str],
-                 ran: int, n_trials: int | None, elapsed_s: float, timeout_s: float | None,
-                 held: int = 0) -> StopReason | None:
-    """Why to stop, :data:`WAIT` (only candidates in flight elsewhere are left), or None (run a trial)."""
-    if n_trials is not None and ran >= n_trials:
-        return StopReason(text=f"this worker ran its {n_trials} trial(s)")
+def _stop_reason(*, trials: list[optuna.trial.FrozenTrial], spec: StudySpec, gate: LaunchGate, ranked: list[Option],
+                 launched: int, n_trials: int | None, elapsed_s: float, timeout_s: float | None,
+                 reference_launches: int = 0) -> StopReason | None:
+    """Why to stop, :data:`WAIT` (only candidates in flight elsewhere are left), or None (run a trial). A stop
+    by a limit carries the candidates left untried (``ranked``: in launch order)."""
+    if n_trials is not None and launched >= n_trials:
+        return StopReason(text=f"this worker made its {n_trials} launch(es) (retries and the FP32 reference "
+                               "included)", untried=tuple(ranked))
     if timeout_s is not None and elapsed_s >= timeout_s:
-        return StopReason(text=f"this worker's --timeout of {timeout_s:g} s has passed")
-    spent = budget_spent(trials=trials, budget=spec.budget, created_at=gate.created_at, now=now_utc())
+        return StopReason(text=f"this worker's --timeout of {timeout_s:g} s has passed", untried=tuple(ranked))
+    spent = budget_spent(trials=trials, budget=spec.budget, created_at=gate.created_at, now=now_utc(),
+                         reference_launches=reference_launches)
     if spent:
-        return StopReason(text=f"the study's budget is spent: {spent}")
-    left = fitting - final_keys(trials)
-    if not left:
-        return StopReason(text=f"the search space is exhausted: all {len(fitting)} candidate(s) that may be "
-                               "launched have a result" + (f"; {held} more predicted to fit are held back by the "
-                                                            "launch margin (their need is too close to the budget "
-                                                            "for what the study has measured of its ledger)"
-                                                            if held else ""))
-    waiting = any(t.state is TrialState.WAITING for t in trials)
-    in_flight = {t.user_attrs.get("label") for t in trials if t.state is TrialState.RUNNING}
-    if not waiting and left <= in_flight:
-        return WAIT
+        return StopReason(text=f"the study's budget is spent: {spent}", untried=tuple(ranked))
+    if not ranked:
+        in_flight = {t.user_attrs.get("label") for t in trials if t.state is TrialState.RUNNING} - final_keys(trials)
+        if in_flight or any(t.state is TrialState.WAITING for t in trials):
+            return WAIT if not any(t.state is TrialState.WAITING for t in trials) else None
+        return StopReason(text=f"the search space is exhausted: every candidate that may fit has a result "
+                               f"({len(final_keys(trials))} candidate(s))")
     return None

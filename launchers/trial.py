@@ -36,7 +36,7 @@ from optimizer.deepspeed.versions import installed_versions, warn_deepspeed_mism
 from optimizer.ledger.constraints import invalid_reasons
 from optimizer.ledger.core import evaluate
 from optimizer.perf.throughput import predict_candidate
-from optimizer.results.trial_result import Outcome, TrialResult, summarize
+from optimizer.results.trial_result import Outcome, StopAbove, TrialResult, summarize
 from optimizer.search.coordination import now_utc, worker_id
 from optimizer.study.errors import UserError
 from optimizer.study.knobs import Candidate, FullCheckpointing, OffloadDevice, ZeroStage
@@ -154,7 +154,7 @@ def predicted_step_s(study: StudySpec, candidate: Candidate) -> float | None:
 def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None = None,
               reference_losses: list[float] | None = None, ds_config: dict[str, Any] | None = None,
               slurm_nodes: int | None = None, step_s: float | None = None,
-              gpus: Sequence[str] | None = None) -> TrialResult:
+              gpus: Sequence[str] | None = None, stop_above: StopAbove | None = None) -> TrialResult:
     """Run ``candidate`` for real on this node's devices (CPU ranks when the study says ``cpu``), or across
     the nodes of the SLURM allocation when the study spans several (see :func:`launchers.local.build_launch_plan`).
 
@@ -164,6 +164,9 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
     a study passes its calibrated prediction) — see :meth:`~optimizer.study.specs.TrialSettings.timeout_for`;
     ``gpus`` is this worker's GPU slice (:func:`check_devices`; None: every GPU the process sees). The ranks'
     threads follow the CPUs this process may really use (:func:`launchers.node_share.read_cpu_allowance`).
+    ``stop_above``: the per-rank peaks above which the ranks stop at once (an ``oom`` with ``stopped_at`` and what
+    was measured until then; ``launchers/workloads/trial_rank.py``); it goes into ``plan.json`` only, not into
+    :func:`rank_plan`, whose output keys the FP32 reference (:func:`reference_key`), which never gets one.
     """
     reasons = invalid_reasons(candidate=candidate, model=study.model, hardware=study.hardware,
                               training=study.training)
@@ -181,6 +184,8 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
     plan = rank_plan(study=study, candidate=candidate)
     if ds_config is not None:
         plan["config"] = ds_config
+    if stop_above is not None:  # after rank_plan: the reference's key stays what it was
+        plan["stop_above"] = stop_above.to_plan()
     (trial_dir / "ds_config.json").write_text(json.dumps(plan["config"], indent=2) + "\n")
     (trial_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
     ranks = study.hardware.world_size

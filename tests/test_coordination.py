@@ -52,7 +52,7 @@ def test_claims_over_the_cap_are_withdrawn_and_finished_launches_count(tmp_path)
     assert try_claim(study=study, trial=trials[1], key="B", worker="w", budget=cap) is ClaimOutcome.GRANTED
     assert try_claim(study=study, trial=trials[2], key="C", worker="w", budget=cap) is ClaimOutcome.OVER_BUDGET
     spent = budget_spent(trials=study.get_trials(), budget=cap, created_at=None, now=datetime.now(UTC))
-    assert spent == "2 of budget.max_launches=2 launches used"
+    assert spent == "2 of budget.max_launches=2 launches used (retries and the FP32 reference included)"
 
 
 def test_a_claim_copied_into_a_retried_trial_does_not_count(tmp_path):

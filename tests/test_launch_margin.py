@@ -1,7 +1,8 @@
-"""The launch policy (optimizer/search/ordering.py: StudyModels.margin_bytes, launchable): a fitting candidate is
-launched only with the margin free — a little of its need, plus a share of what the ledger *estimates*
-(activations, transient buffers), plus on a GPU the published 20 % until the study has measured — the
-margin earned from the study's own measurements; a held candidate is not final.
+"""The launch margin (optimizer/search/ordering.py: StudyModels.margin_bytes) and the safe level of the launch policy
+(optimizer/search/launch_policy.py: assess): a candidate is *safe* — any proposal of it is launched — with the
+margin free — a little of its need, plus a share of what the ledger *estimates* (activations, transient buffers),
+plus on a GPU the published 20 % until the study has measured — the margin earned from the study's own
+measurements; a risky candidate is held on the sampler's proposal, launched when the launch policy picks it.
 
 The figures are the seed's worked example (Q130, studies/seed-1b-2x24gb.yaml): plain data
 parallel needs 26 GB per GPU, of which 8 GB are the stated activations, the rest counted model states and
@@ -18,6 +19,7 @@ import pytest
 from optimizer.ledger.core import evaluate
 from optimizer.perf.throughput import profile_rates
 from optimizer.results.trial_result import Outcome, RankMeasurement, TrialResult
+from optimizer.search.launch_policy import Standing, assess
 from optimizer.search.objective import DIRECTIONS, TrialFailed, make_objective
 from optimizer.search.ordering import (
     ESTIMATE_PRIOR,
@@ -26,7 +28,6 @@ from optimizer.search.ordering import (
     PRIOR_MARGIN,
     PRIOR_MARGIN_CPU,
     StudyModels,
-    launchable,
     memory_family,
     memory_group,
     study_models,
@@ -58,9 +59,10 @@ def _models(spec, **fields) -> StudyModels:
 
 
 def _launchable(spec, models, candidate=None) -> bool:
+    """Safe: launched on any proposal (probability to fit ≥ Φ(2), i.e. the margin free)."""
     candidate = candidate or baseline_candidate(spec.training)
     verdict = evaluate(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training)
-    return launchable(verdict, models=models, key=candidate.label(), budget_bytes=spec.hardware.gpu_memory_bytes)
+    return assess(verdict, models=models).standing in (Standing.SAFE, Standing.MEASURED)
 
 
 def test_the_seed_ledger_counts_8_of_its_26_gb_as_estimated(seed):
@@ -197,7 +199,7 @@ def test_the_study_reads_its_errors_from_its_trials(repo_root):
     assert dict(models.family_under) == pytest.approx({"z0-optnone-pnone": 0.08, "z1-optnone-pnone": 0.0})
 
 
-def test_a_held_candidate_is_not_final_and_is_launched_once_the_margin_allows(repo_root):
+def test_a_held_candidate_is_not_final_and_is_launched_once_the_margin_allows_or_the_policy_picks_it(repo_root):
     tiny = load_study(repo_root / "studies" / "cpu-tiny.yaml")
     base = baseline_candidate(tiny.training)
     ledger = evaluate(candidate=base, model=tiny.model, hardware=tiny.hardware, training=tiny.training).ledger
@@ -220,7 +222,16 @@ def test_a_held_candidate_is_not_final_and_is_launched_once_the_margin_allows(re
     study.optimize(objective, n_trials=1, catch=(TrialFailed,))
     held = study.get_trials()[-1]
     assert held.state is optuna.trial.TrialState.PRUNED and held.user_attrs["held"] and not calls
-    assert held.user_attrs["pruned_reason"].startswith("held: predicted to fit")
+    assert held.user_attrs["pruned_reason"].startswith("held: needs 96.2 % of the budget")
+    # need n = 3,436,544 B (1,507,328 of it estimated), budget int(1.04 n) = 3,574,005 B; margin = max(3 % n +
+    # 0.25 x 1,507,328, 10 % n) = 479,928 B = two standard deviations: z = 2 x 137,461 / 479,928 = 0.573.
+    assert held.user_attrs["fit_probability"] == pytest.approx(0.7166, abs=1e-4)  # Φ(0.573)
+    # The launch policy's own choice of it is launched, margin or not: the risk is priced, not a veto.
+    chosen = optuna.create_study(directions=list(DIRECTIONS))
+    chosen.enqueue_trial(distribution_params(base, space), user_attrs={"enqueued_by": "model (test)"})
+    chosen.optimize(objective, n_trials=1, catch=(TrialFailed,))
+    assert chosen.get_trials()[-1].state is optuna.trial.TrialState.COMPLETE and len(calls) == 1
+    calls.clear()
     # The study measured its ledger exact, in this candidate's family too:
     current[0] = _models(spec, family_estimate=(("z0-optnone-pnone", 0.0),), family_under=(("z0-optnone-pnone", 0.0),))
     study.enqueue_trial(distribution_params(base, space))

@@ -15,8 +15,9 @@ import yaml
 
 from optimizer.ledger.core import evaluate
 from optimizer.perf.throughput import StepTime
+from optimizer.search.launch_policy import Standing, assess
 from optimizer.search.next_launch import next_candidate
-from optimizer.search.ordering import calibrated_verdict_fits, memory_group, predicted_speed, study_models
+from optimizer.search.ordering import memory_group, predicted_speed, study_models
 from optimizer.search.space import branches, distribution_params
 from optimizer.study.specs import baseline_candidate
 from optimizer.study.study_file import load_study
@@ -103,7 +104,8 @@ def test_with_a_profile_the_order_is_predicted_throughput(tmp_path):
     # 7e8 params/s), global batch 256 → M = 256 / (mbs·8) micro-steps: 32 at mbs 1, 16 at mbs 2. The compute is
     # the same for all eight (same tokens, same full recomputation), so the exposed time beyond it decides.
     # One ring pass of the bf16 gradients: 7/8 · Ψ · 2 B = 11.79 GB → 0.0262 s.
-    #   ZeRO-1: all-reduce once per step, 2 passes = 0.052 s, whatever the micro-batch (a tie: label order);
+    #   ZeRO-1: all-reduce once per step, 2 passes = 0.052 s, whatever the micro-batch (a tie, broken by the
+    #   promise order: the larger micro-batch first);
     #   ZeRO-2: reduce-scatter every micro-step + one all-gather, M + 1 passes: mbs 2 → 17 = 0.446 s,
     #   mbs 1 → 33 = 0.865 s;
     #   optimizer offload adds PCIe 2 · Ψ/8 · 2 B / 64 GB/s = 0.053 s and CPU Adam Ψ/8 / 7e8 = 1.203 s:
@@ -112,8 +114,8 @@ def test_with_a_profile_the_order_is_predicted_throughput(tmp_path):
                         {"zero_stage": [1, 2], "offload_optimizer": ["none", "cpu"], "precision": ["bf16"],
                          "checkpointing": ["full"], "micro_batch_size": [1, 2]})
     assert _launch_order(spec) == [
-        "z1 bf16 ckpt=full mbs=1", "z1 bf16 ckpt=full mbs=2", "z2 bf16 ckpt=full mbs=2", "z2 bf16 ckpt=full mbs=1",
-        "z1 bf16 ckpt=full mbs=1 opt->cpu", "z1 bf16 ckpt=full mbs=2 opt->cpu",
+        "z1 bf16 ckpt=full mbs=2", "z1 bf16 ckpt=full mbs=1", "z2 bf16 ckpt=full mbs=2", "z2 bf16 ckpt=full mbs=1",
+        "z1 bf16 ckpt=full mbs=2 opt->cpu", "z1 bf16 ckpt=full mbs=1 opt->cpu",
         "z2 bf16 ckpt=full mbs=2 opt->cpu", "z2 bf16 ckpt=full mbs=1 opt->cpu",
     ]
 
@@ -185,8 +187,8 @@ def test_calibrated_memory_never_prunes_a_measured_fit(grid):
     assert budget == 3_000_000
     huge = replace(models, memory_factors=((group, 10.0),))
     for verdict in (fit, tight):  # measured to fit: kept whatever the factor
-        assert calibrated_verdict_fits(verdict, models=huge, key=verdict.candidate.label(), budget_bytes=budget)
-    assert not calibrated_verdict_fits(over, models=huge, key=over.candidate.label(), budget_bytes=budget)
+        assert assess(verdict, models=huge).standing is Standing.MEASURED
+    assert assess(over, models=huge).standing is Standing.PRUNED  # x10 its need: no chance to fit
 
 
 def test_time_calibration_reproduces_its_measurements_and_leaves_the_rest_unknown(grid):

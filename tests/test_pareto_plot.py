@@ -1,5 +1,5 @@
 """The drawn study (optimizer/results/pareto_plot.py): the budget line, labelled front points, a measured OOM where it
-was measured, held and pruned candidates at their prediction."""
+was measured, held and pruned candidates at their prediction, untried ones at their predicted need and speed."""
 
 from __future__ import annotations
 
@@ -32,11 +32,16 @@ def test_each_trial_is_drawn_where_it_belongs():
     assert sorted(p[:2] for p in groups["failed"]) == [(1.0, 0.0), (3.137072, 0.0)]  # the OOM where it measured
     assert [p[:2] for p in groups["held"]] == [(2.95, 0.0)] and [p[:2] for p in groups["pruned"]] == [(3.4, 0.0)]
     assert budget_label(3_000_000) == "per-device budget 3.000 MB"
+    assert _groups(_study())["untried"] == [] and _groups(_study(), UNTRIED)["untried"] == list(UNTRIED)
 
 
-def test_the_plots_show_the_budget(tmp_path):
+UNTRIED = ((2.96, 1200.0, "z0 bf16 ckpt=full mbs=4 — untried, probability to fit 77%"),)
+
+
+def test_the_plots_show_the_budget_and_the_untried(tmp_path):
     study = _study()
-    png = write_png(study, tmp_path / "pareto.png", budget_bytes=3_000_000)
+    png = write_png(study, tmp_path / "pareto.png", budget_bytes=3_000_000, untried=UNTRIED)
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
-    html = write_html(study, tmp_path / "pareto.html", budget_bytes=3_000_000).read_text()
-    assert "per-device budget 3.000 MB" in html and "held by the launch margin" in html
+    html = write_html(study, tmp_path / "pareto.html", budget_bytes=3_000_000, untried=UNTRIED).read_text()
+    assert "per-device budget 3.000 MB" in html and "held: a risky proposal of the sampler" in html
+    assert "untried, may fit" in html and "probability to fit 77%" in html

@@ -53,12 +53,12 @@ def test_pruned_held_failed_and_reused_trials_say_why(tiny):
 
 def test_the_status_line_and_its_eta():
     counts = {"measured": 5, "reused": 1, "pruned": 2, "held": 0, "failed": 1, "running": 1}
-    text = status_text(counts=counts, ran=9, target=16, now="z3 bf16 ckpt=none mbs=2", best=(7, 31_659.2),
-                       eta_s=eta_s(wall_s=[10.0, 20.0], left=7))
-    assert text == ("trials 9/16 · measured 5 reused 1 pruned 2 failed 1 · now z3 bf16 ckpt=none mbs=2 · "
-                    "best #7 31,659 tok/s · ETA 1m45s")
+    text = status_text(counts=counts, ran=9, launches=7, target=16, now="z3 bf16 ckpt=none mbs=2",
+                       best=(7, 31_659.2), eta_s=eta_s(wall_s=[10.0, 20.0], left=7))
+    assert text == ("launches 7/16 (retries, reference incl.) · trials 9 · measured 5 reused 1 pruned 2 failed 1 · "
+                    "now z3 bf16 ckpt=none mbs=2 · best #7 31,659 tok/s · ETA 1m45s")
     assert eta_s(wall_s=[], left=3) is None and duration_text(None) == "?" and duration_text(3725) == "1h02m"
-    assert "ETA" not in status_text(counts={}, ran=0, target=None, now=None, best=None, eta_s=None)
+    assert "ETA" not in status_text(counts={}, ran=0, launches=0, target=None, now=None, best=None, eta_s=None)
 
 
 def test_a_study_in_jsonl_mode_prints_one_record_per_trial_and_nothing_else_on_stdout(tiny, monkeypatch):
@@ -80,7 +80,8 @@ def test_a_study_in_jsonl_mode_prints_one_record_per_trial_and_nothing_else_on_s
     assert measured and all(r["memory_bytes"] > 0 and r["tokens_per_s"] > 0 for r in measured)
     front = {t.number for t in study.best_trials}
     assert {r["trial"] for r in records if r["on_front"]} <= front
-    assert "stopping: this worker ran its 5 trial(s)" in err.getvalue()
+    assert "stopping: this worker made its 5 launch(es) (retries and the FP32 reference included)" in err.getvalue()
+    assert sum(1 for t in study.trials if "launches" in t.user_attrs) == 5  # pruned and reused ones spend none
 
 
 def test_quiet_mode_prints_no_trial_lines_and_human_mode_one_each(tiny):

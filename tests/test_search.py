@@ -183,24 +183,29 @@ def test_a_run_measured_over_the_budget_is_an_oom_kept_as_data(repo_root):
     assert memory_group(base) != memory_group(other) and models.time_samples == 2
 
 
-def test_once_calibrated_a_candidate_the_time_model_cannot_predict_goes_first(repo_root):
-    """Unknown speed (no figure: CPU ranks have no profile) ranks after known ones before calibration, before
-    them after it: one launch teaches the model the missing figure."""
+def test_once_calibrated_a_safe_candidate_the_time_model_cannot_predict_goes_first(repo_root):
+    """Unknown speed (no figure: CPU ranks have no profile) is tried first while nothing is predictable (the promise
+    order) and once the model is calibrated (one launch teaches it the missing figure); a predictable candidate is
+    ranked by the value of its launch (tier 1)."""
     from optimizer.perf.throughput import profile_rates
-    from optimizer.search.next_launch import order_key
+    from optimizer.search.next_launch import options
     from optimizer.search.ordering import StudyModels
 
-    def key(spec, samples):
+    def tier(spec, samples):
         base = baseline_candidate(spec.training)
-        verdict = evaluate(candidate=base, model=spec.model, hardware=spec.hardware, training=spec.training)
+        verdicts = [evaluate(candidate=c, model=spec.model, hardware=spec.hardware, training=spec.training)
+                    for c in spec.search_space.candidates(base)]
         models = StudyModels(rates=profile_rates(hardware=spec.hardware), memory_factors=(), time_samples=samples,
                              measured_fits=frozenset())
-        return order_key(verdict, spec=spec, models=models)[0]
+        ranked = options(spec=spec, space=branches(spec), trials=[], models=models, verdicts=verdicts)
+        safe = {(o.order[0], o.tokens_per_s is None) for o in ranked if o.assessment.standing.value == "safe"}
+        assert ranked and len(safe) == 1, safe
+        return safe.pop()
 
     cpu = load_study(repo_root / "studies" / "cpu-tiny.yaml")  # no profile figures: unknown
     gpu = load_study(repo_root / "studies" / "llama-7b-8xh100.yaml")  # the H100 profile: predicted
-    assert (key(gpu, 0), key(cpu, 0)) == (0, 1)  # before calibration: the known first
-    assert (key(cpu, 3), key(gpu, 3)) == (0, 1)  # after: the unknown first
+    assert tier(gpu, 0) == (1, False) and tier(gpu, 3) == (1, False)  # predictable: by value
+    assert tier(cpu, 0) == (0, True) and tier(cpu, 3) == (0, True)  # unknown and safe: first
 
 
 def test_a_password_equal_to_the_user_name_masks_only_the_password():

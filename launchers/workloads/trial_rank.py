@@ -13,6 +13,15 @@ Started by :mod:`launchers.local` under ``torch.distributed.run`` (one process p
   micro-batches), the gradient norm, whether the step was applied and the fp16 loss scale after it
   (:mod:`optimizer.results.loss_scaling`: an overflowed step is skipped, its batch replayed, and not timed).
   The model is built as ``plan["construction"]`` says (:mod:`launchers.workloads.construction`);
+* stopped over the budget (``plan["stop_above"]``, :class:`~optimizer.results.trial_result.StopAbove`): status
+  ``over_budget``, the same report with what was measured until then (peaks as far as known, the losses and
+  step times so far, ``init_s``), ``stopped_at`` (``"init"`` or ``"step N"``, N the 0-based attempted step after
+  which the ranks stopped) and ``over_limit`` (this rank's own peak over its limit: phase, peak and limit bytes;
+  None on a rank that stopped with a peer). CUDA checks the init phase's reserved peak once
+  ``deepspeed.initialize`` is done and ``max_memory_reserved`` after every attempted step; CPU ranks know their
+  live-tensor peaks only when the profiler stops, at the end of the warm-up, and check both there (so a CPU run
+  stopped at ``"init"`` has run its warm-up). Every check point is a collective (MAX of the ranks' verdicts):
+  the ranks stop together, then tear down as a run that ended does;
 * on failure: the failure kind, classified from the exception itself (:func:`classify`) — ``oom`` (the
   device's memory: ``torch.OutOfMemoryError``, CUDA/cuBLAS/NCCL allocation failures; on CPU ranks the host's),
   ``oom_host`` (host memory on CUDA ranks: pinning, ``MemoryError``, ENOMEM), ``unsupported`` (DeepSpeed's
@@ -42,6 +51,7 @@ from launchers.orphan_guard import die_with_parent
 from launchers.workloads.builtin import build_workload
 from launchers.workloads.cpu_memory import LivePeaks, start_cpu_profiler, stop_cpu_profiler
 from optimizer.results.loss_scaling import StepKind, min_loss_scale, skip_allowance, step_kind
+from optimizer.results.trial_result import INIT_STOP, OVER_BUDGET, StopAbove
 
 UNSUPPORTED_MARK = "is not supported on your device"
 """DeepSpeed engine.py: ``raise ValueError("Type fp16 is not supported on your device.")``."""
@@ -89,6 +99,10 @@ INIT_MARK = "dsopt.init"
 """The profiler range around model construction and ``deepspeed.initialize``: the init phase."""
 BUILD_MARK = "dsopt.build"
 """The profiler range around model construction alone."""
+
+
+STOP_CODES = {"training": 1, "init": 2}
+"""A rank's verdict at a check point, all-reduced with MAX: 0 go on, 1 training over its limit, 2 the init phase."""
 
 
 class ModelBuildFailed(RuntimeError):
@@ -165,6 +179,31 @@ def _step_batches(batch_fn: Any, *, step: int, rank: int, micro: int, accumulati
     return batches
 
 
+def _over_limit(stop: StopAbove, *, init_peak: int | None, training_peak: int | None) -> dict[str, Any] | None:
+    """This rank's own peak over its limit (the init phase's first), as its report records it, or None."""
+    for phase, peak, limit in (("init", init_peak, stop.init_bytes), ("training", training_peak, stop.training_bytes)):
+        if peak is not None and peak > limit:
+            return {"phase": phase, "peak_bytes": peak, "limit_bytes": limit}
+    return None
+
+
+def _agreed_stop(over: dict[str, Any] | None, *, attempted: int, device: torch.device) -> str | None:
+    """Where every rank stops — ``"init"``, or ``"step N"`` after attempted step N — or None to go on: the worst
+    of the ranks' verdicts (all_reduce MAX), so that no rank is left alone in a collective."""
+    flag = torch.tensor([STOP_CODES[over["phase"]] if over else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    code = int(flag.item())
+    return None if code == 0 else INIT_STOP if code == STOP_CODES["init"] else f"step {attempted - 1}"
+
+
+def _cpu_stop(stop: StopAbove, peaks: LivePeaks, *, attempted: int) -> tuple[dict[str, Any] | None, str | None]:
+    """CPU ranks' check, once the profiler has stopped: the init phase's live-tensor peak, and training's over
+    the steps run so far (none: no training peak yet)."""
+    over = _over_limit(stop, init_peak=peaks.until[INIT_MARK],
+                       training_peak=peaks.after[INIT_MARK] if attempted else None)
+    return over, _agreed_stop(over, attempted=attempted, device=torch.device("cpu"))
+
+
 def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
     import deepspeed
 
@@ -174,6 +213,9 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
     micro, accumulation = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
     warmup, measured = plan["warmup_steps"], plan["measured_steps"]
     construction = plan.get("construction", "full")
+    stop = StopAbove.from_plan(plan["stop_above"]) if plan.get("stop_above") else None
+    over: dict[str, Any] | None = None  # this rank's own peak over its limit, at the last check
+    stopped_at: str | None = None
 
     profiler = None
     if cuda:
@@ -210,6 +252,9 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
     if cuda:
         init_peaks = {"init_peak_allocated_bytes": int(torch.cuda.max_memory_allocated()),
                       "init_peak_reserved_bytes": int(torch.cuda.max_memory_reserved())}
+    if cuda and stop is not None:
+        over = _over_limit(stop, init_peak=init_peaks["init_peak_reserved_bytes"], training_peak=None)
+        stopped_at = _agreed_stop(over, attempted=0, device=engine.device)
     if cuda:  # from here on the peaks are training's: the init phase's were read above
         torch.cuda.reset_peak_memory_stats()
     fp16 = config.get("fp16") if (config.get("fp16") or {}).get("enabled") else None
@@ -222,10 +267,14 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
     peaks: LivePeaks | None = None
     done = 0  # updates applied so far: a skipped (overflowed) step's batch is replayed
     attempts = warmup + measured + skip_allowance(fp16)
-    while done < warmup + measured and len(losses) < attempts:
+    while stopped_at is None and done < warmup + measured and len(losses) < attempts:
         if done == warmup and profiler is not None:
             peaks = stop_cpu_profiler(profiler, ranges=(BUILD_MARK, INIT_MARK))
             profiler = None
+            if stop is not None:
+                over, stopped_at = _cpu_stop(stop, peaks, attempted=len(losses))
+                if stopped_at is not None:
+                    break
         batches = _step_batches(batch_fn, step=done, rank=rank, micro=micro, accumulation=accumulation,
                                 device=engine.device)
         if cuda:
@@ -267,16 +316,23 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
             if done >= warmup:
                 step_times.append(elapsed)
             done += 1
-    if done < warmup + measured:
+        if cuda and stop is not None:  # the reserved peak since init, after every attempted step
+            over = _over_limit(stop, init_peak=None, training_peak=int(torch.cuda.max_memory_reserved()))
+            stopped_at = _agreed_stop(over, attempted=len(losses), device=engine.device)
+    if stopped_at is None and done < warmup + measured:
         raise NonFiniteLoss(f"fp16 loss scale never settled: {applied.count(False)} of {len(applied)} steps "
                             f"skipped (allowance {attempts - warmup - measured})")
     if profiler is not None:  # no measured steps: the peak covers everything run
         peaks = stop_cpu_profiler(profiler, ranges=(BUILD_MARK, INIT_MARK))
+        if stop is not None:
+            over, stopped_at = _cpu_stop(stop, peaks, attempted=len(losses))
     result: dict[str, Any] = {
         "rank": rank,
         "node_rank": int(os.environ.get("GROUP_RANK", "0")),  # torchrun's agent (node) rank
         "host": socket.gethostname(),
-        "status": "ok",
+        "status": "ok" if stopped_at is None else OVER_BUDGET,
+        "stopped_at": stopped_at,
+        "over_limit": over,
         "device": "cuda" if cuda else "cpu",
         "construction": construction,
         "built_partitioned": built_partitioned,
@@ -289,12 +345,13 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
         "peak_rss_bytes": _peak_rss_bytes(),
         **init_peaks,
     }
-    if cuda:  # training's peaks since the reset after init; the reserved pool init left behind is in them
-        result["training_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
-        result["training_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
-        result["peak_allocated_bytes"] = max(result["training_peak_allocated_bytes"],
+    if cuda:  # training's peaks since the reset after init (none when stopped there); init's pool is in them
+        trained = stopped_at != INIT_STOP
+        result["training_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated()) if trained else None
+        result["training_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved()) if trained else None
+        result["peak_allocated_bytes"] = max(result["training_peak_allocated_bytes"] or 0,
                                              init_peaks["init_peak_allocated_bytes"] or 0)
-        result["peak_reserved_bytes"] = max(result["training_peak_reserved_bytes"],
+        result["peak_reserved_bytes"] = max(result["training_peak_reserved_bytes"] or 0,
                                             init_peaks["init_peak_reserved_bytes"] or 0)
     else:
         assert peaks is not None
@@ -325,7 +382,7 @@ def main() -> int:
     tmp.write_text(json.dumps(result))
     tmp.replace(out_dir / f"rank{rank}.json")  # a rank killed mid-write leaves no half report
     if dist.is_initialized():
-        if code == 0:
+        if code == 0:  # ok, or stopped over the budget: every rank is here, none in a collective
             dist.barrier()
         dist.destroy_process_group()
     sys.stdout.flush()

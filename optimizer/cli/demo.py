@@ -11,11 +11,11 @@ from optimizer.cli.common import positive_int, prepared_study
 def run(args: argparse.Namespace) -> int:
     from launchers.demo import DEMO_STUDY, run_demo
     from launchers.trial import ReferenceFailed
-    from optimizer.results.pareto import front_table
+    from optimizer.results.pareto import front_table, headroom_lines
 
     study = prepared_study(args.study or DEMO_STUDY)
     print(f"dsopt demo: {study.path}, {study.hardware.gpus_per_node} {study.hardware.accelerator} ranks, until "
-          f"{args.n_trials} trials have finished", file=sys.stderr)
+          f"{args.n_trials} launches (the FP32 reference included)", file=sys.stderr)
     try:
         demo = run_demo(spec=study, n_trials=args.n_trials)
     except ReferenceFailed as failed:
@@ -25,13 +25,17 @@ def run(args: argparse.Namespace) -> int:
         print("dsopt: interrupted; run the demo again to continue", file=sys.stderr)
         return 130
     c, trial = demo.counts, demo.picked
-    print(front_table(demo.study, budget_bytes=study.hardware.gpu_memory_bytes))
+    budget = study.hardware.gpu_memory_bytes
+    headroom = study.budget.headroom_for(study.hardware.accelerator)
+    print(front_table(demo.study, budget_bytes=budget, headroom=headroom))
     print(f"\ntrials: {c['measured']} launched and measured, {c['reused']} reused, {c['pruned']} pruned by the "
-          f"ledger (never launched), {c['held']} held by the launch margin, {c['failed']} failed (oom included); wall "
+          f"ledger (never launched), {c['held']} held (risky proposals of the sampler, not launched then), "
+          f"{c['failed']} failed (oom included); wall "
           f"time {demo.wall_s:.0f} s")
     label = trial.user_attrs.get("label", trial.user_attrs["candidate"])
     print(f"picked (balanced): trial #{trial.number} {label}: {trial.values[0] / 1e6:.3f} MB per rank, "
-          f"{trial.values[1]:,.0f} tokens/s, loss fidelity {trial.user_attrs.get('loss_fidelity', 0):.1e}")
+          f"{trial.values[1]:,.0f} tokens/s, loss fidelity {trial.user_attrs['loss_fidelity']:.1e}")
+    print("\n".join(headroom_lines(demo.study, picked=trial, how="balanced", budget_bytes=budget, headroom=headroom)))
     print(f"DeepSpeed config: {demo.config_path}\nPareto plots: {demo.png_path}, {demo.html_path}")
     return 0
 
@@ -39,5 +43,6 @@ def run(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser("demo", help="a small real study on 2 CPU ranks, then export and Pareto plots")
     demo.add_argument("--study", default=None, help="study file (default: studies/demo-cpu.yaml)")
-    demo.add_argument("--n-trials", type=positive_int, default=16, help="finished trials to reach (default 16)")
+    demo.add_argument("--n-trials", type=positive_int, default=16, help="launches to reach, retries and the FP32 "
+                      "reference included (default 16)")
     demo.set_defaults(run=run)

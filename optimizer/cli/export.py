@@ -11,11 +11,13 @@ from optimizer.study.study_file import load_study
 
 def run(args: argparse.Namespace) -> int:
     from optimizer.results.export import construction_advice, export_text, exported_config, write_atomically
-    from optimizer.results.pareto import pick_trial
+    from optimizer.results.pareto import headroom_lines, pick_trial
 
     study = load_study(args.study)
     stored = stored_study(study, args.storage)
-    trial = pick_trial(stored, args.pick)
+    budget = study.hardware.gpu_memory_bytes
+    headroom = study.budget.headroom_for(study.hardware.accelerator)
+    trial = pick_trial(stored, args.pick, budget_bytes=budget, headroom=headroom)
     config = exported_config(spec=study, knobs=trial.user_attrs["candidate"], hf=args.hf)
     out = Path(args.out) if args.out else study.output_dir / f"ds_config.{args.pick.replace('=', '')}" \
         f"{'.hf' if args.hf else ''}.json"
@@ -26,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
           f"{trial.values[1]:,.0f} tokens/s, "
           f"loss fidelity {attrs.get('loss_fidelity', float('nan')):.1e}"
           + (f" (reused from trial #{attrs['reused_from']})" if "reused_from" in attrs else ""))
+    print("\n".join(headroom_lines(stored, picked=trial, how=args.pick, budget_bytes=budget, headroom=headroom)))
     kind = "Hugging Face Trainer variant: batch sizes and optimizer params = auto" if args.hf else "DeepSpeed config"
     print(f"wrote {out} ({kind}; validated by DeepSpeed's parser)")
     print(construction_advice(spec=study, knobs=attrs["candidate"]))

@@ -11,8 +11,11 @@ from optimizer.study.study_file import load_study
 
 
 def run(args: argparse.Namespace) -> int:
+    from launchers.study_traces import with_traced_activations
     from optimizer.results.pareto import front_table
     from optimizer.results.pareto_plot import write_html, write_png
+    from optimizer.search.untried import untried_options, untried_text
+    from optimizer.study.specs import TransformerModel
 
     study = load_study(args.study)
     stored = stored_study(study, args.storage)
@@ -22,9 +25,15 @@ def run(args: argparse.Namespace) -> int:
     except OSError as err:
         raise UserError(source="--out", key=str(out), why=f"cannot create the folder: {err.strerror}") from None
     budget = study.hardware.gpu_memory_bytes
-    print(front_table(stored, budget_bytes=budget))
-    png = write_png(stored, out / "pareto.png", budget_bytes=budget)
-    html = write_html(stored, out / "pareto.html", budget_bytes=budget)
+    print(front_table(stored, budget_bytes=budget, headroom=study.budget.headroom_for(study.hardware.accelerator)))
+    untried = untried_options(with_traced_activations(study), stored.get_trials(deepcopy=False)) \
+        if isinstance(study.model, TransformerModel) else []
+    print(untried_text(untried))
+    points = [(o.assessment.need_bytes / 1e6, o.tokens_per_s or 0.0,
+               f"{o.candidate.label()} — untried, probability to fit {o.assessment.fit_probability:.0%}")
+              for o in untried]
+    png = write_png(stored, out / "pareto.png", budget_bytes=budget, untried=points)
+    html = write_html(stored, out / "pareto.html", budget_bytes=budget, untried=points)
     print(f"wrote {png} and {html}")
     return 0
 

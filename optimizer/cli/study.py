@@ -33,8 +33,8 @@ def _run(study: StudySpec, storage: str, args: argparse.Namespace, *, parallel: 
     who = " (all workers)" if parallel else ""
     summary = sys.stderr if mode is ProgressMode.JSONL else sys.stdout  # stdout: the records only
     print(f"study {study.name}{who}: {c['measured']} measured, {c['reused']} reused, {c['pruned']} pruned by the "
-          f"ledger, {c['held']} held by the launch margin, {c['failed']} failed, {c['running']} running; feasible "
-          f"Pareto front: {len(result.best_trials)} trial(s)", file=summary)
+          f"ledger, {c['held']} held (risky proposals of the sampler), {c['failed']} failed, {c['running']} running; "
+          f"feasible Pareto front: {len(result.best_trials)} trial(s)", file=summary)
     print(f"storage: {redact(storage)}", file=summary)
     return 0
 
@@ -56,7 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     study_sub = study.add_subparsers(dest="study_command", required=True)
     study_run = study_sub.add_parser("run", help="create or resume a study and run trials")
     study_run.add_argument("study", help="study file")
-    study_run.add_argument("--n-trials", type=positive_int, default=None, help="trials to run in this invocation")
+    study_run.add_argument("--n-trials", type=positive_int, default=None, help="real DeepSpeed launches in this "
+                           "invocation (retries and the FP32 reference included; pruned, held and reused "
+                           "proposals launch nothing and are not counted)")
     study_run.add_argument("--timeout", type=positive_seconds, default=None,
                            help="stop starting trials after S seconds")
     study_run.add_argument("--storage", default=None,
@@ -68,7 +70,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     worker.add_argument("study", help="study file")
     worker.add_argument("--storage", default=None, help="shared Optuna storage URL (default: $DSOPT_STORAGE); "
                         "postgresql+psycopg://... or journal:///shared/file.log")
-    worker.add_argument("--n-trials", type=positive_int, default=None, help="at most N trials in this worker")
+    worker.add_argument("--n-trials", type=positive_int, default=None, help="at most N real launches by this "
+                        "worker (retries and the FP32 reference included)")
     worker.add_argument("--timeout", type=positive_seconds, default=None, help="stop starting trials after S seconds")
     worker.add_argument("--slot", type=slot, default=None, metavar="K[/N]", help="this worker's share of the "
                         "node's GPUs when several workers share it: GPUs K*g..K*g+g-1 of those visible (g = "

@@ -1,9 +1,11 @@
 """Draw the study: measured trials, the feasible Pareto front highlighted and labelled with trial numbers,
-the per-device budget as a vertical line, and the candidates the ledger pruned at their predicted peak (not
-launched, so no throughput: drawn on the zero line). Drawing only."""
+the per-device budget as a vertical line, the candidates the ledger pruned at their predicted peak (not
+launched, so no throughput: drawn on the zero line), and the candidates that may fit but were never tried at
+their predicted need and speed (on the zero line where the time model cannot predict them). Drawing only."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import optuna
@@ -14,10 +16,14 @@ TrialState = optuna.trial.TrialState
 MB = 1e6
 
 
-def _groups(study: optuna.Study) -> dict[str, list[tuple[float, float, str]]]:
+Point = tuple[float, float, str]
+"""(memory in MB = 10^6 bytes, tokens/s, hover label)."""
+
+
+def _groups(study: optuna.Study, untried: Sequence[Point] = ()) -> dict[str, list[Point]]:
     front_numbers = {t.number for t in feasible_front(study)}
-    groups: dict[str, list[tuple[float, float, str]]] = {"front": [], "feasible": [], "infeasible": [], "pruned": [],
-                                                         "held": [], "failed": []}
+    groups: dict[str, list[Point]] = {"front": [], "feasible": [], "infeasible": [], "pruned": [], "held": [],
+                                      "failed": [], "untried": list(untried)}
     for t in study.get_trials(deepcopy=False):
         label = f"#{t.number} " + " ".join(f"{k}={v}" for k, v in t.user_attrs.get("candidate", {}).items())
         if t.state is TrialState.COMPLETE and t.values:
@@ -40,9 +46,11 @@ STYLE = {
     "feasible": dict(color="tab:blue", marker="o", label="measured, feasible"),
     "infeasible": dict(color="tab:gray", marker="s", label="measured, loss fidelity out of tolerance"),
     "pruned": dict(color="tab:olive", marker="x", label="pruned by the ledger (at predicted peak; not launched)"),
-    "held": dict(color="tab:purple", marker="+", label="held by the launch margin (at predicted peak; not launched)"),
+    "held": dict(color="tab:purple", marker="+", label="held: a risky proposal of the sampler (at predicted peak; "
+                 "not launched then)"),
     "failed": dict(color="black", marker="v", label="failed: measured over the budget where measured, else at "
                    "predicted peak"),
+    "untried": dict(color="tab:orange", marker="d", label="untried, may fit (at predicted need and speed)"),
 }
 
 
@@ -50,14 +58,15 @@ def budget_label(budget_bytes: int) -> str:
     return f"per-device budget {budget_bytes / MB:,.3f} MB"
 
 
-def write_png(study: optuna.Study, path: Path, *, budget_bytes: int) -> Path:
-    """``pareto.png`` with matplotlib (Agg backend); ``budget_bytes`` is the per-device budget the ledger used."""
+def write_png(study: optuna.Study, path: Path, *, budget_bytes: int, untried: Sequence[Point] = ()) -> Path:
+    """``pareto.png`` with matplotlib (Agg backend); ``budget_bytes`` is the per-device budget the ledger used,
+    ``untried`` the candidates that may fit and were never tried."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = _groups(study)
+    groups = _groups(study, untried)
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for kind, points in groups.items():
         if points:
@@ -83,17 +92,17 @@ def write_png(study: optuna.Study, path: Path, *, budget_bytes: int) -> Path:
     return path
 
 
-def write_html(study: optuna.Study, path: Path, *, budget_bytes: int) -> Path:
+def write_html(study: optuna.Study, path: Path, *, budget_bytes: int, untried: Sequence[Point] = ()) -> Path:
     """``pareto.html``: Optuna's ``plot_pareto_front`` (infeasible trials coloured from the constraints), plus
-    the pruned candidates at their ledger prediction."""
+    the pruned, failed and untried candidates."""
     import plotly.graph_objects as go
     from optuna.visualization import plot_pareto_front
 
     complete = [t for t in study.get_trials(deepcopy=False) if t.state is TrialState.COMPLETE]
     names = ["training memory per device (bytes)", "tokens/s"]
     fig = plot_pareto_front(study, target_names=names) if complete else go.Figure()
-    groups = _groups(study)
-    for kind, symbol in (("pruned", "x"), ("held", "cross"), ("failed", "triangle-down")):
+    groups = _groups(study, untried)
+    for kind, symbol in (("pruned", "x"), ("held", "cross"), ("failed", "triangle-down"), ("untried", "diamond")):
         points = groups[kind]
         if points:
             fig.add_trace(go.Scatter(x=[p[0] * MB for p in points], y=[p[1] for p in points], mode="markers",

@@ -68,11 +68,13 @@ def duration_text(seconds: float | None) -> str:
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
-def status_text(*, counts: dict[str, int], ran: int, target: int | None, now: str | None,
+def status_text(*, counts: dict[str, int], ran: int, launches: int, target: int | None, now: str | None,
                 best: tuple[int, float] | None, eta_s: float | None) -> str:
-    """The live status line: trials done (of the target), counts by kind, the candidate running now, the
-    fastest feasible trial so far and the time left (``eta_s``: None when there is no target to count down)."""
-    done = f"trials {ran}/{target}" if target is not None else f"trials {ran}"
+    """The live status line: real launches (of the target: ``--n-trials`` counts launches, retries and the FP32
+    reference included), trials finished, counts by kind, the candidate running now, the fastest feasible trial
+    so far and the time left (``eta_s``: None when there is no target to count down)."""
+    done = (f"launches {launches}/{target} (retries, reference incl.)" if target is not None
+            else f"launches {launches}") + f" · trials {ran}"
     kinds = " ".join(f"{kind} {counts[kind]}" for kind in ("measured", "reused", "pruned", "held", "failed")
                      if counts.get(kind))
     parts = [done, kinds] if kinds else [done]
@@ -85,7 +87,7 @@ def status_text(*, counts: dict[str, int], ran: int, target: int | None, now: st
 
 
 def eta_s(*, wall_s: list[float], left: int) -> float | None:
-    """Seconds left for ``left`` more trials at the mean wall time of this worker's trials so far (a launch's
+    """Seconds left for ``left`` more launches at the mean wall time of this worker's launches so far (a launch's
     wall time holds process start, model build and DeepSpeed's init besides the steps the time model predicts)."""
     if not wall_s:
         return None

@@ -22,6 +22,7 @@ def trial_json(*, result: TrialResult, ledger: Ledger | None, tolerance: float, 
         "candidate": None if ledger is None else ledger.candidate.knobs(),
         "outcome": result.outcome.value,
         "message": result.message,
+        "stopped_at": result.stopped_at,
         "peak_memory_bytes": result.peak_memory_bytes,
         "peak_reserved_bytes": result.peak_reserved_bytes,
         "peak_rss_bytes": result.peak_rss_bytes,
@@ -61,8 +62,13 @@ def trial_table(data: dict[str, Any]) -> str:
     """The four results, with the ledger's prediction beside the measured peak."""
     lines = [f"study {data['study']} · candidate {data['candidate']}", f"outcome: {data['outcome']}"]
     if data["outcome"] != Outcome.OK.value:
-        lines += [f"why: {data['message']}", "", "log tail:", data["log_tail"].rstrip()[-2000:],
-                  "", f"files: {data['trial_dir']}"]
+        lines += [f"why: {data['message']}"]
+        if data.get("stopped_at"):  # stopped over the budget: what it measured until then
+            lines += [f"   measured until it stopped: init peak {_mb(data['init_peak_memory_bytes'])} (reserved "
+                      f"{_mb(data['init_peak_reserved_bytes'])}), training peak "
+                      f"{_mb(data['training_peak_memory_bytes'])} (reserved "
+                      f"{_mb(data['training_peak_reserved_bytes'])}), {len(data['losses'])} step(s) run"]
+        lines += ["", "log tail:", data["log_tail"].rstrip()[-2000:], "", f"files: {data['trial_dir']}"]
         return "\n".join(lines)
     fidelity = data["loss_fidelity"]
     fid_text = "no reference" if fidelity is None else (

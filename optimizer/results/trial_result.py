@@ -2,7 +2,9 @@
 
 A trial's four results are the seed's: per-card peak memory (allocated and reserved), step time and
 throughput, loss and gradient sanity, and agreement with an FP32 baseline (loss fidelity). A failing
-trial is data: it carries its :class:`Outcome` and the tail of its log.
+trial is data: it carries its :class:`Outcome` and the tail of its log. A trial given a :class:`StopAbove`
+stops as soon as a rank's measured peak goes over it (``launchers/workloads/trial_rank.py``); it is an ``oom``
+that keeps what it measured until then, and where it stopped (``stopped_at``).
 """
 
 from __future__ import annotations
@@ -32,8 +34,45 @@ class Outcome(StrEnum):
 
 
 # When ranks disagree, the most specific failure wins: an OOM on one rank is the cause of the
-# others being torn down (they then report nothing, or a crash).
+# others being torn down (they then report nothing, or a crash). A rank stopped over the budget
+# (OVER_BUDGET) ranks below all of these, and below a host OOM, a timeout and a lost rank: every rank
+# stops there together and cleanly, so any other failure beside it is news of its own.
 _PRIORITY = (Outcome.OOM, Outcome.OOM_HOST, Outcome.UNSUPPORTED, Outcome.NAN, Outcome.CRASH)
+OVER_BUDGET = "over_budget"
+"""The status of a rank's report when the trial stopped over its :class:`StopAbove` (an ``oom`` trial)."""
+INIT_STOP = "init"
+"""``stopped_at`` of a trial stopped over the init phase's limit; ``"step N"`` after attempted step N (0-based)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StopAbove:
+    """The per-rank measured peak above which a rank stops — CUDA: ``max_memory_reserved``; CPU ranks: the
+    live-tensor peak (:mod:`launchers.workloads.cpu_memory`). A peak equal to a limit goes on."""
+
+    training_bytes: int
+    """The training phase's limit: the peak after the init phase (bytes)."""
+    init_bytes: int
+    """The init phase's limit: model construction + ``deepspeed.initialize`` (bytes)."""
+
+    def __post_init__(self) -> None:
+        for name in ("training_bytes", "init_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"StopAbove.{name} must be a non-negative integer number of bytes, got {value!r}")
+
+    def to_plan(self) -> dict[str, int]:
+        """As the rank plan carries it (``plan["stop_above"]``)."""
+        return {"training_bytes": self.training_bytes, "init_bytes": self.init_bytes}
+
+    @classmethod
+    def from_plan(cls, data: Mapping[str, Any]) -> StopAbove:
+        """Back from :meth:`to_plan`'s dict."""
+        return cls(training_bytes=data["training_bytes"], init_bytes=data["init_bytes"])
+
+
+def stop_order(stopped_at: str) -> int:
+    """Where ``stopped_at`` falls in a run: the init phase (-1) before attempted step N (N)."""
+    return -1 if stopped_at == INIT_STOP else int(stopped_at.removeprefix("step "))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,6 +136,9 @@ class TrialResult:
     """For failures: the end of the combined log."""
     wall_s: float = 0.0
     """Wall time of the whole launch (s)."""
+    stopped_at: str | None = None
+    """None for a run that went to the end; ``"init"`` or ``"step N"`` (N: the 0-based index of the attempted
+    step after which it stopped) for a run stopped over its :class:`StopAbove` (outcome ``oom``)."""
 
     def _rank_max(self, field: str) -> int | float | None:
         values = [v for r in self.ranks if (v := getattr(r, field)) is not None]
@@ -190,7 +232,10 @@ def summarize(
     ``rank_reports`` maps rank → the JSON each rank wrote (missing ranks wrote nothing, e.g. killed);
     ``host_memory``: what the launcher saw of host memory — ranks the kernel's OOM killer ended are
     ``oom_host``, not ``crash`` (:func:`optimizer.results.host_oom.host_oom_reason`), as are the peers that crashed
-    when they went.
+    when they went. Ranks that stopped over their :class:`StopAbove` (status :data:`OVER_BUDGET`, all of them
+    together) make an ``oom`` with what they measured until then — per-rank peaks as far as known, the losses
+    and the measured steps' times so far (step time None when none was measured), no loss fidelity — and the
+    earliest ``stopped_at``; any other failure beside them wins (see ``_PRIORITY``).
     """
     statuses = {report.get("status") for report in rank_reports.values()}
     failures = [o for o in _PRIORITY if o.value in statuses]
@@ -206,10 +251,33 @@ def summarize(
     if timed_out:
         return TrialResult(outcome=Outcome.TIMEOUT, message="the launch ran past its timeout and was killed",
                            log_tail=log_tail, wall_s=wall_s)
-    if returncode != 0 or len(rank_reports) != world_size or statuses != {"ok"}:
+    if returncode != 0 or len(rank_reports) != world_size or not statuses <= {Outcome.OK.value, OVER_BUDGET}:
         return TrialResult(outcome=Outcome.CRASH, log_tail=log_tail, wall_s=wall_s,
                            message=f"launcher exit code {returncode}; ranks without a report: {missing}")
-    ranks = tuple(
+    ranks = _measurements(rank_reports)
+    losses = tuple(rank_reports[0]["losses"])
+    applied = tuple(bool(a) for a in rank_reports[0].get("applied", ()))
+    if all(applied):
+        applied = ()  # every step applied: nothing to say
+    per_step = [max(times) for times in zip(*(r.step_times_s for r in ranks), strict=True)]
+    step_time = statistics.median(per_step) if per_step else None
+    so_far = {"ranks": ranks, "losses": losses, "grad_norms": tuple(rank_reports[0]["grad_norms"]),
+              "applied": applied, "loss_scales": tuple(rank_reports[0].get("loss_scales", ())),
+              "step_time_s": step_time, "tokens_per_s": (tokens_per_step / step_time) if step_time else None,
+              "wall_s": wall_s}
+    if OVER_BUDGET in statuses:  # stopped over the budget: what was measured, no fidelity
+        stopped_at, message = _stop_reason(rank_reports)
+        return TrialResult(outcome=Outcome.OOM, stopped_at=stopped_at, message=message, log_tail=log_tail,
+                           **so_far)
+    fidelity = None if reference_losses is None else loss_fidelity(losses, reference_losses, applied)
+    if not all(math.isfinite(x) for x in losses):  # the ranks raise first; kept as a guard
+        return TrialResult(outcome=Outcome.NAN, losses=losses, message="non-finite loss", wall_s=wall_s)
+    return TrialResult(outcome=Outcome.OK, loss_fidelity=fidelity, **so_far)
+
+
+def _measurements(rank_reports: Mapping[int, Mapping[str, Any]]) -> tuple[RankMeasurement, ...]:
+    """Each rank's measurements from its report (ok, or stopped over the budget: what it measured until then)."""
+    return tuple(
         RankMeasurement(rank=r, peak_allocated_bytes=rep["peak_allocated_bytes"],
                         peak_reserved_bytes=rep["peak_reserved_bytes"], peak_rss_bytes=rep["peak_rss_bytes"],
                         step_times_s=tuple(rep["step_times_s"]), init_s=rep.get("init_s"),
@@ -221,18 +289,19 @@ def summarize(
                         training_peak_reserved_bytes=rep.get("training_peak_reserved_bytes"))
         for r, rep in sorted(rank_reports.items())
     )
-    losses = tuple(rank_reports[0]["losses"])
-    applied = tuple(bool(a) for a in rank_reports[0].get("applied", ()))
-    if all(applied):
-        applied = ()  # every step applied: nothing to say
-    per_step = [max(times) for times in zip(*(r.step_times_s for r in ranks), strict=True)]
-    step_time = statistics.median(per_step) if per_step else None
-    fidelity = None if reference_losses is None else loss_fidelity(losses, reference_losses, applied)
-    if not all(math.isfinite(x) for x in losses):  # the ranks raise first; kept as a guard
-        return TrialResult(outcome=Outcome.NAN, losses=losses, message="non-finite loss", wall_s=wall_s)
-    return TrialResult(
-        outcome=Outcome.OK, ranks=ranks, losses=losses, grad_norms=tuple(rank_reports[0]["grad_norms"]),
-        applied=applied, loss_scales=tuple(rank_reports[0].get("loss_scales", ())),
-        step_time_s=step_time, tokens_per_s=(tokens_per_step / step_time) if step_time else None,
-        loss_fidelity=fidelity, wall_s=wall_s,
-    )
+
+
+def _stop_reason(rank_reports: Mapping[int, Mapping[str, Any]]) -> tuple[str, str]:
+    """(the earliest ``stopped_at`` of the stopped ranks, why): the first rank whose own peak went over the
+    limit of the phase it stopped in (``over_limit`` in its report; its peers stopped with it)."""
+    stopped = [rep for _, rep in sorted(rank_reports.items()) if rep.get("status") == OVER_BUDGET]
+    stopped_at = min((rep["stopped_at"] for rep in stopped), key=stop_order)
+    phase = "init" if stopped_at == INIT_STOP else "training"
+    over = [rep for rep in stopped if (rep.get("over_limit") or {}).get("phase") == phase] \
+        or [rep for rep in stopped if rep.get("over_limit")]
+    if not over:
+        return stopped_at, f"stopped at {stopped_at}: no rank says which peak went over its limit"
+    rep = over[0]
+    limit = rep["over_limit"]
+    return stopped_at, (f"stopped at {stopped_at}: measured {limit['phase']} peak {limit['peak_bytes']} bytes above "
+                        f"the limit {limit['limit_bytes']} bytes (rank {rep['rank']})")

@@ -12,8 +12,9 @@ taken over. So seeding (enqueued candidates) and the FP32 reference run happen o
 
 **Launch claims** (trial attribute ``launch_claim``): before a trial launches DeepSpeed it writes a claim
 ``{trial, key, worker, state: claimed}`` and then reads every trial. It withdraws (``state: withdrawn``) if
-another *running* trial holds an active claim on the same candidate, or if the active claims of the study —
-running or finished, its own included — exceed ``budget.max_launches``. Of two workers racing, the later
+another *running* trial holds an active claim on the same candidate, or if the launches of the study —
+running or finished, its own included, each trial's retries and the FP32 reference's launch counted
+(:func:`launches_used`) — exceed ``budget.max_launches``. Of two workers racing, the later
 writer always sees the earlier claim (write-then-read on a linearizable store), so at worst both withdraw
 and retry after a random pause; never both launch. A claim counts only on the trial whose number it names,
 because Optuna's retry of a stale trial copies the user attributes into the new trial.
@@ -41,6 +42,10 @@ CLAIM_ATTR = "launch_claim"
 """Trial attribute holding a launch claim."""
 WORKER_ATTR = "worker"
 """Trial attribute naming the worker that ran the trial (``host:pid``, plus the SLURM array task)."""
+LAUNCHES_ATTR = "launches"
+"""Trial attribute: how many times the trial launched DeepSpeed (1 + its retries); 1 while it runs."""
+REFERENCE_LAUNCHES_ATTR = "dsopt_reference_launches"
+"""Study attribute: launches the FP32 reference took (0 when it came from the cache)."""
 CREATED_ATTR = "dsopt_created_at"
 """Study attribute: when the study was set up (ISO 8601, UTC) — the origin of ``budget.max_hours``."""
 SETTLE_S = 1.0
@@ -73,18 +78,20 @@ def active_claims(trials: Iterable[optuna.trial.FrozenTrial]) -> list[optuna.tri
             and _claim(t) is not None]
 
 
-def launches_used(trials: Iterable[optuna.trial.FrozenTrial]) -> int:
-    """Real launches the study has made or is making, all workers together."""
-    return len(active_claims(trials))
+def launches_used(trials: Iterable[optuna.trial.FrozenTrial], *, reference_launches: int = 0) -> int:
+    """Real DeepSpeed launches the study has made or is making, all workers together: each claimed trial's
+    launches (its retries included, :data:`LAUNCHES_ATTR`) and the FP32 reference's."""
+    return sum(max(1, int(t.user_attrs.get(LAUNCHES_ATTR, 1))) for t in active_claims(trials)) + reference_launches
 
 
 def budget_spent(*, trials: list[optuna.trial.FrozenTrial], budget: BudgetSettings, created_at: str | None,
-                 now: datetime) -> str | None:
+                 now: datetime, reference_launches: int = 0) -> str | None:
     """Why no further launch may start (launch cap, deadline, hours since creation), or None."""
     if budget.max_launches is not None:
-        used = launches_used(trials)
+        used = launches_used(trials, reference_launches=reference_launches)
         if used >= budget.max_launches:
-            return f"{used} of budget.max_launches={budget.max_launches} launches used"
+            return (f"{used} of budget.max_launches={budget.max_launches} launches used (retries and the FP32 "
+                    "reference included)")
     if budget.deadline is not None and now >= budget.deadline:
         return f"budget.deadline {budget.deadline.isoformat()} has passed"
     if budget.max_hours is not None and created_at is not None:
@@ -118,7 +125,8 @@ def try_claim(*, study: optuna.Study, trial: optuna.Trial, key: str, worker: str
     claims = active_claims(study.get_trials(deepcopy=False))
     busy = any(t.number != trial.number and t.state is TrialState.RUNNING and _claim(t)["key"] == key  # type: ignore[index]
                for t in claims)
-    over = budget.max_launches is not None and len(claims) > budget.max_launches
+    used = launches_used(claims, reference_launches=int(study.user_attrs.get(REFERENCE_LAUNCHES_ATTR, 0)))
+    over = budget.max_launches is not None and used > budget.max_launches
     if busy or over:
         trial.set_user_attr(CLAIM_ATTR, {**claim, "state": "withdrawn"})
         return ClaimOutcome.BUSY if busy else ClaimOutcome.OVER_BUDGET

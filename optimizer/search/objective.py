@@ -3,22 +3,26 @@
 Objectives: minimise the memory training measured per device — its reserved peak on CUDA (live tensors on CPU
 ranks, less the ledger's host items: one memory holds both there) + the device reserve, the memory that runs
 out, init left out — and maximise throughput (tokens/s). A run whose measured device share (training or init)
-exceeds the per-device budget is outcome ``oom`` like a run that ran out of memory (:func:`over_budget`). Each
-sampled candidate goes through the ledger first; an invalid or predicted-not-to-fit candidate is never
-launched — it is recorded as PRUNED with the ledger's breakdown and reason in the trial's user attributes.
-A candidate predicted to fit but too close to the budget for what the study has measured of its ledger is
-*held* (PRUNED with ``held`` set, not final: :func:`optimizer.search.ordering.launchable`, the launch margin).
-A candidate already measured in the study is not launched again: its values are reused. Loss fidelity
-is a constraint (``trial.set_constraint``, ≤ 0 feasible: fidelity − tolerance of the precision), and so is
-the measured init phase (its reserved peak + device reserve over the device's capacity, relative). A trial
-that ends in ``oom``/``nan``/``crash``/``timeout``/``unsupported`` is recorded as FAIL with its outcome, so it
-never reaches the front (``study.best_trials`` is Optuna's feasible Pareto front).
+exceeds the per-device budget is outcome ``oom`` like a run that ran out of memory (:func:`over_budget`; the
+ranks stop at that moment when the launch passes them the limits,
+:class:`optimizer.results.trial_result.StopAbove`).
 
-The search space maps to Optuna distributions with one parameter name per branch — Optuna rejects a
-categorical whose choices change under one name — so only DeepSpeed-valid combinations are sampled:
-``zero_stage``; ``offload_optimizer_z{stage}`` with the devices that stage allows; ``offload_param_z3``
-at stage 3; ``precision`` (those the hardware supports); ``checkpointing``; ``micro_batch_size`` (those that
-divide the global batch). A knob with one possible value is not sampled.
+Each sampled candidate is judged once by :func:`optimizer.search.launch_policy.assess`: an invalid candidate, or one
+that cannot fit, is never launched — PRUNED with the ledger's breakdown and the reason in the trial's user
+attributes. A *risky* candidate (a probability to fit under the safe level) is launched only when the launch policy
+chose it (the trial was enqueued by it: ``enqueued_by`` starts with ``model``); the sampler's proposal of it is
+*held* (PRUNED with ``held`` set: not launched, not final). A candidate already measured in the study is not
+launched again: its values are reused.
+
+Loss fidelity is a constraint (``trial.set_constraint``, ≤ 0 feasible: fidelity − tolerance of the precision), and
+so is the measured init phase (its reserved peak + device reserve over the device's capacity, relative). A fidelity
+that could not be computed (no reference losses) is unknown, never perfect: the constraint is violated
+(:data:`UNKNOWN_FIDELITY`), so the trial is neither on the front nor exported. A trial that ends in
+``oom``/``nan``/``crash``/``timeout``/``unsupported`` is recorded as FAIL with its outcome, so it never reaches
+the front (``study.best_trials`` is Optuna's feasible Pareto front).
+
+Every launch — retries included — is counted on the trial (``launches``); ``--n-trials`` and
+``budget.max_launches`` count those (:func:`optimizer.search.coordination.launches_used`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from optimizer.ledger.items import Location
 from optimizer.ledger.report import ledger_json
 from optimizer.results.trial_result import Outcome, TrialResult
 from optimizer.search.coordination import (
+    LAUNCHES_ATTR,
+    REFERENCE_LAUNCHES_ATTR,
     WORKER_ATTR,
     ClaimOutcome,
     Pause,
@@ -43,14 +49,10 @@ from optimizer.search.coordination import (
     running_elsewhere,
     try_claim,
 )
-from optimizer.search.next_launch import order_key
-from optimizer.search.ordering import (
-    StudyModels,
-    calibrated_verdict_fits,
-    launchable,
-    study_models,
-)
-from optimizer.search.space import Branches, distribution_params, in_space, sample_candidate
+from optimizer.search.launch_policy import Standing, assess
+from optimizer.search.next_launch import options
+from optimizer.search.ordering import StudyModels, study_models
+from optimizer.search.space import Branches, distribution_params, sample_candidate
 from optimizer.search.storage import open_storage, storage_error
 from optimizer.study.cluster_settings import BudgetSettings
 from optimizer.study.knobs import Candidate
@@ -62,10 +64,14 @@ RETRIED = (Outcome.CRASH, Outcome.TIMEOUT)
 ``trial.retries`` times before they stand. OOM, NaN and unsupported are properties of the candidate."""
 DIRECTIONS = ("minimize", "maximize")
 METRIC_NAMES = ("training memory per device (bytes)", "tokens/s")
-"""The objectives' names, as optuna-dashboard and Optuna's plots label their axes."""
-"""(training's device memory: reserved peak + device reserve, bytes; tokens per second)."""
+"""The objectives' names, as optuna-dashboard and Optuna's plots label their axes (training's device memory:
+reserved peak + device reserve, bytes; tokens per second)."""
 SEED_ENQUEUE = 3
 """How many of the ledger's most promising candidates are enqueued when a study is created."""
+UNKNOWN_FIDELITY = 1.0
+"""The loss-fidelity constraint of a trial whose fidelity is unknown: violated (> 0), so never feasible."""
+POLICY_MARK = "model"
+"""``enqueued_by`` of a trial the launch policy chose (it may launch a risky candidate)."""
 
 
 class TrialFailed(Exception):
@@ -73,22 +79,27 @@ class TrialFailed(Exception):
 
 
 def seed_study(study: optuna.Study, spec: StudySpec, space: Branches) -> int:
-    """Enqueue the most promising fitting candidates (:func:`order_key` with the uncalibrated models), once per
-    study (a study attribute guards it)."""
+    """Enqueue the first safe candidates of the launch order with the uncalibrated models
+    (:func:`optimizer.search.next_launch.options`) — one per ZeRO stage, the lower stages first: each stage has
+    its own per-micro-step and communication figures, and the time model can rank a stage only once it has
+    measured it — once per study (a study attribute guards it)."""
     if study.user_attrs.get("dsopt_seeded"):
         return 0
     base = baseline_candidate(spec.training)
     verdicts = [evaluate(candidate=c, model=spec.model, hardware=spec.hardware, training=spec.training)
                 for c in spec.search_space.candidates(base)]
     models = study_models(spec=spec, trials=[], base=base)
-    fitting = sorted((v for v in verdicts if in_space(v.candidate, space) and launchable(
-        v, models=models, key=v.candidate.label(), budget_bytes=spec.hardware.gpu_memory_bytes)),
-                     key=lambda v: order_key(v, spec=spec, models=models))
-    for verdict in fitting[:SEED_ENQUEUE]:
-        study.enqueue_trial(distribution_params(verdict.candidate, space), skip_if_exists=True,
+    safe = [o for o in options(spec=spec, space=space, trials=[], models=models, verdicts=verdicts)
+            if o.assessment.standing is Standing.SAFE]
+    per_stage: dict[int, object] = {}
+    for option in safe:
+        per_stage.setdefault(int(option.candidate.zero_stage), option)
+    ranked = [per_stage[stage] for stage in sorted(per_stage)] + [o for o in safe if o not in per_stage.values()]
+    for option in ranked[:SEED_ENQUEUE]:
+        study.enqueue_trial(distribution_params(option.candidate, space), skip_if_exists=True,
                             user_attrs={"enqueued_by": "seed"})
     study.set_user_attr("dsopt_seeded", True)
-    return min(len(fitting), SEED_ENQUEUE)
+    return min(len(ranked), SEED_ENQUEUE)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -150,20 +161,18 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
             return _reuse(trial, previous, tolerance)
         current = models() if models is not None else study_models(spec=spec, trials=[], base=base)
         trial.set_user_attr("memory_factor", current.memory_factor(candidate))
-        fits = calibrated_verdict_fits(verdict, models=current, key=key, budget_bytes=ledger.gpu_capacity_bytes)
-        if fits and not launchable(verdict, models=current, key=key, budget_bytes=ledger.gpu_capacity_bytes):
-            margin = current.margin_bytes(verdict)
-            trial.set_user_attr("held", True)
-            trial.set_user_attr("launch_margin_bytes", margin)
-            trial.set_user_attr("pruned_reason", f"held: predicted to fit, but not with the launch margin "
-                                f"({margin / 1e6:,.3f} MB) free; it shrinks as the study measures its own ledger")
-            raise optuna.TrialPruned(trial.user_attrs["pruned_reason"])
-        if not fits:
-            reasons = "; ".join(ledger.verdict_reasons()) or "device need x the study's memory factor exceeds it"
-            if current.memory_factor(candidate) != 1.0:
-                reasons += f" (calibrated: x{current.memory_factor(candidate):.3f})"
-            trial.set_user_attr("pruned_reason", "does not fit: " + reasons)
+        standing = assess(verdict, models=current)
+        trial.set_user_attr("fit_probability", standing.fit_probability)
+        if standing.standing is Standing.PRUNED:
+            trial.set_user_attr("pruned_reason", standing.reason)
             trial.set_user_attr("ledger", ledger_json(ledger))
+            raise optuna.TrialPruned(standing.reason)
+        chosen = str(trial.user_attrs.get("enqueued_by", "")).startswith(POLICY_MARK)
+        if standing.standing is Standing.RISKY and not chosen:
+            trial.set_user_attr("held", True)
+            trial.set_user_attr("launch_margin_bytes", standing.margin_bytes)
+            trial.set_user_attr("pruned_reason", f"held: {standing.reason.removeprefix('risky: ')} — launched when "
+                                "the launch policy prices the risk worth it, not on the sampler's proposal")
             raise optuna.TrialPruned(trial.user_attrs["pruned_reason"])
         previous = _acquire(trial, key, gate)
         if previous is not None:
@@ -171,48 +180,64 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
         if artifact_dir is not None:
             trial.set_user_attr("trial_dir", artifact_dir(candidate))
         result = runner(candidate)
+        trial.set_user_attr(LAUNCHES_ATTR, 1)
         failed: list[dict[str, Any]] = []
         while result.outcome in RETRIED and len(failed) < spec.trial.retries:  # maybe transient: once more
             failed.append({"outcome": result.outcome.value, "message": result.message[-300:], "wall_s": result.wall_s})
             trial.set_user_attr("failed_attempts", failed)
             result = runner(candidate)
+            trial.set_user_attr(LAUNCHES_ATTR, len(failed) + 1)
         if after_launch is not None:
             after_launch(trial)
         trial.set_user_attr("attempts", len(failed) + 1)
         trial.set_user_attr("outcome", result.outcome.value)
         trial.set_user_attr("wall_s", result.wall_s)
+        if result.outcome is Outcome.OOM and result.ranks:  # stopped over the budget: what it saw is data
+            _measured(trial, result, spec=spec, host_share=host_share, init_host_share=init_host_share,
+                      capacity=ledger.gpu_capacity_bytes)
+            trial.set_user_attr("stopped_at", result.stopped_at)
         if result.outcome is not Outcome.OK:
             trial.set_user_attr("message", result.message[-1000:])
             raise TrialFailed(f"{result.outcome}: {result.message[-300:]}")
-        fidelity = result.loss_fidelity if result.loss_fidelity is not None else 0.0
-        trial.set_user_attr("loss_fidelity", fidelity)
+        trial.set_user_attr("loss_fidelity", result.loss_fidelity)  # None: unknown, never perfect
+        if result.loss_fidelity is None:
+            trial.set_user_attr("fidelity_unknown", True)
         trial.set_user_attr("tokens_per_s", result.tokens_per_s)
-        trial.set_user_attr("peak_memory_bytes", result.peak_memory_bytes)
-        trial.set_user_attr("peak_reserved_bytes", result.peak_reserved_bytes)
         trial.set_user_attr("step_time_s", result.step_time_s)
-        trial.set_user_attr("init_s", result.init_s)
-        trial.set_user_attr("init_peak_memory_bytes", result.init_peak_memory_bytes)
-        trial.set_user_attr("init_peak_reserved_bytes", result.init_peak_reserved_bytes)
-        trial.set_user_attr("training_peak_memory_bytes", result.training_peak_memory_bytes)
-        trial.set_user_attr("training_peak_reserved_bytes", result.training_peak_reserved_bytes)
         trial.set_user_attr("skipped_steps", result.skipped_steps)
         trial.set_user_attr("losses", list(result.losses))
-        reserve = spec.hardware.device_reserve_bytes
-        memory = (result.training_device_bytes(device_reserve_bytes=reserve) or 0) - host_share
-        trial.set_user_attr("device_share_bytes", memory)
-        trial.set_user_attr("memory_objective_bytes", memory)
-        init_need = (result.init_device_bytes(device_reserve_bytes=reserve) or 0) - init_host_share
-        trial.set_user_attr("init_device_share_bytes", init_need)
-        trial.set_user_attr("init_memory_excess", (init_need - ledger.gpu_capacity_bytes) / ledger.gpu_capacity_bytes)
+        memory, init_need = _measured(trial, result, spec=spec, host_share=host_share,
+                                      init_host_share=init_host_share, capacity=ledger.gpu_capacity_bytes)
         over = over_budget(training_bytes=memory, init_bytes=init_need, budget_bytes=ledger.gpu_capacity_bytes)
         if over:
             trial.set_user_attr("outcome", Outcome.OOM.value)
             trial.set_user_attr("message", over)
             raise TrialFailed(f"{Outcome.OOM}: {over}")
-        _constrain(trial, fidelity=fidelity - tolerance, init_memory=trial.user_attrs["init_memory_excess"])
+        _constrain(trial, fidelity=UNKNOWN_FIDELITY if result.loss_fidelity is None
+                   else result.loss_fidelity - tolerance, init_memory=trial.user_attrs["init_memory_excess"])
         return float(memory), float(result.tokens_per_s or 0.0)
 
     return objective
+
+
+def _measured(trial: optuna.Trial, result: TrialResult, *, spec: StudySpec, host_share: int, init_host_share: int,
+              capacity: int) -> tuple[int, int]:
+    """Record a launch's memory measurements; returns (training, init) device shares in bytes."""
+    trial.set_user_attr("peak_memory_bytes", result.peak_memory_bytes)
+    trial.set_user_attr("peak_reserved_bytes", result.peak_reserved_bytes)
+    trial.set_user_attr("init_s", result.init_s)
+    trial.set_user_attr("init_peak_memory_bytes", result.init_peak_memory_bytes)
+    trial.set_user_attr("init_peak_reserved_bytes", result.init_peak_reserved_bytes)
+    trial.set_user_attr("training_peak_memory_bytes", result.training_peak_memory_bytes)
+    trial.set_user_attr("training_peak_reserved_bytes", result.training_peak_reserved_bytes)
+    reserve = spec.hardware.device_reserve_bytes
+    memory = (result.training_device_bytes(device_reserve_bytes=reserve) or 0) - host_share
+    trial.set_user_attr("device_share_bytes", memory)
+    trial.set_user_attr("memory_objective_bytes", memory)
+    init_need = (result.init_device_bytes(device_reserve_bytes=reserve) or 0) - init_host_share
+    trial.set_user_attr("init_device_share_bytes", init_need)
+    trial.set_user_attr("init_memory_excess", (init_need - capacity) / capacity)
+    return memory, init_need
 
 
 def over_budget(*, training_bytes: int, init_bytes: int, budget_bytes: int) -> str:
@@ -233,7 +258,8 @@ def _acquire(trial: optuna.Trial, key: str, gate: LaunchGate) -> optuna.trial.Fr
     study = trial.study
     while True:
         trials = study.get_trials(deepcopy=False)
-        spent = budget_spent(trials=trials, budget=gate.budget, created_at=gate.created_at, now=now_utc())
+        spent = budget_spent(trials=trials, budget=gate.budget, created_at=gate.created_at, now=now_utc(),
+                             reference_launches=int(study.user_attrs.get(REFERENCE_LAUNCHES_ATTR, 0)))
         if spent:
             trial.set_user_attr("budget_stop", True)
             trial.set_user_attr("pruned_reason", f"budget spent: {spent}")
@@ -263,7 +289,10 @@ def _reuse(trial: optuna.Trial, previous: optuna.trial.FrozenTrial, tolerance: f
             trial.set_user_attr(name, previous.user_attrs[name])
     if previous.state is optuna.trial.TrialState.FAIL:
         raise TrialFailed(f"{previous.user_attrs['outcome']} (as trial {previous.number})")
-    _constrain(trial, fidelity=previous.user_attrs["loss_fidelity"] - tolerance,
+    fidelity = previous.user_attrs["loss_fidelity"]
+    if fidelity is None:
+        trial.set_user_attr("fidelity_unknown", True)
+    _constrain(trial, fidelity=UNKNOWN_FIDELITY if fidelity is None else fidelity - tolerance,
                init_memory=previous.user_attrs.get("init_memory_excess", 0.0))
     return tuple(previous.values)  # type: ignore[return-value]
 

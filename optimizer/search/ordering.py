@@ -1,17 +1,16 @@
-"""The study's calibrated models and the order of launches (pure Optuna-trial reading, no I/O).
+"""The study's calibrated models (pure Optuna-trial reading, no I/O).
 
 After every trial a worker refits the study's corrections (:mod:`optimizer.perf.calibration`) from all its
-measured trials, stores them in the study (``dsopt_calibration``) and uses them twice:
+measured trials, stores them in the study (``dsopt_calibration``) and uses them in the launch policy
+(:mod:`optimizer.search.launch_policy`, :mod:`optimizer.search.next_launch`):
 
-* **pruning** — the ledger's device need × the memory factor of the candidate's group (:func:`memory_group`)
-  against the budget (a candidate measured to fit is never pruned);
-* **the launch margin** — a fitting candidate is launched only with :meth:`StudyModels.margin_bytes` of the
-  budget left free, the margin set by priors until the study has measured its own ledger (:func:`launchable`);
-* **ordering** — the next launch is the feasible, not yet measured, not in flight candidate with the highest
-  predicted throughput (calibrated time model once :data:`MIN_TIME_SAMPLES` trials are measured; before
-  that the hardware profile's model, or the provisional :func:`~optimizer.search.next_launch.promise` order when the
-  profile lacks a figure), except that every :data:`EXPLORE_EVERY`-th trial is left to the Optuna sampler
-  (TPE) to explore the rest of the space.
+* the **memory factor** of the candidate's group (:func:`memory_group`) scales the ledger's device need (a
+  candidate measured to fit is never pruned);
+* the **launch margin** (:meth:`StudyModels.margin_bytes`) is the ledger's error as the study knows it — priors
+  until the candidate's family has measured its own — from which the launch policy reads a probability to fit;
+* the **time model** (calibrated once :data:`MIN_TIME_SAMPLES` trials are measured, the hardware profile's
+  before) predicts each candidate's speed, from which the launch policy reads what a launch may gain; every
+  :data:`EXPLORE_EVERY`-th proposal is left to the Optuna sampler (TPE) to explore the rest of the space.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from dataclasses import dataclass, replace
 import optuna
 
 from optimizer.ledger.core import Verdict
-from optimizer.perf.calibration import MemorySample, TimeSample, calibrated_fits, fit_rates, memory_factor
+from optimizer.perf.calibration import MemorySample, TimeSample, fit_rates, memory_factor
 from optimizer.perf.throughput import FEATURES, Rates, StepTime, predict, profile_rates, work
 from optimizer.study.knobs import Candidate, OffloadDevice, Precision, ZeroStage, parse_knob
 from optimizer.study.specs import TransformerModel
@@ -32,7 +31,7 @@ from optimizer.study.study_file import StudySpec
 MIN_TIME_SAMPLES = 3
 """Measured trials needed before the calibrated time model orders launches."""
 EXPLORE_EVERY = 3
-"""Every third trial of a worker is the sampler's choice, the others the model's."""
+"""Every third proposal of a worker is the sampler's choice, the others the launch policy's."""
 CALIBRATION_ATTR = "dsopt_calibration"
 """Study attribute holding the latest corrections."""
 MIN_MARGIN = 0.03
@@ -91,7 +90,8 @@ class StudyModels:
     max |measured / (k·predicted) − 1| (0 with one sample)."""
 
     def margin_bytes(self, verdict: Verdict) -> int:
-        """Bytes of the budget kept free when the candidate is launched (:func:`launchable`).
+        """The launch margin: the ledger's error on this candidate as the study knows it, in bytes (the launch policy
+        reads it as two standard deviations, :mod:`optimizer.search.launch_policy`).
 
         A group with measurements: max(``MIN_MARGIN``, its own spread) of its calibrated need. Otherwise the
         larger of a share and a whole-need term. Share: ``MIN_MARGIN``·need + u·estimated, u the family's own
@@ -161,11 +161,11 @@ def measured_trials(trials: Iterable[optuna.trial.FrozenTrial]) -> list[optuna.t
 
 
 def over_budget_trials(trials: Iterable[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
-    """Trials that ran to the end but measured a device share over the budget (outcome ``oom``, see
-    :func:`optimizer.search.objective.over_budget`): their step time is a real measurement, their memory one too."""
+    """Trials that measured a device share over the budget (outcome ``oom``: ran to the end, see
+    :func:`optimizer.search.objective.over_budget`, or stopped when it went over): their memory is a real
+    measurement, and their step time where they reached the measured steps."""
     return [t for t in trials if t.state is optuna.trial.TrialState.FAIL and t.user_attrs.get("outcome") == "oom"
-            and "reused_from" not in t.user_attrs and "device_share_bytes" in t.user_attrs
-            and t.user_attrs.get("step_time_s")]
+            and "reused_from" not in t.user_attrs and "device_share_bytes" in t.user_attrs]
 
 
 def device_bytes_measured(trial: optuna.trial.FrozenTrial) -> int:
@@ -218,7 +218,8 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
     for t in over_budget_trials(trials):  # a run measured over the budget: its time and its device share
         candidate = candidate_of(t.user_attrs["candidate"], base)
         job = work(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training)
-        time_samples.append(TimeSample(work=job, step_time_s=float(t.user_attrs["step_time_s"])))
+        if t.user_attrs.get("step_time_s"):
+            time_samples.append(TimeSample(work=job, step_time_s=float(t.user_attrs["step_time_s"])))
         if device_bytes_predicted(t):
             group_family[memory_group(candidate)] = memory_family(candidate)
             memory_samples.setdefault(memory_group(candidate), []).append(MemorySample(
@@ -258,35 +259,6 @@ def study_models(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial],
                        family_estimate=tuple(sorted((name, max(values)) for name, values in misses.items()
                                                     if len(values) >= EARN_SAMPLES)),
                        group_spreads=tuple(sorted(spreads.items())))
-
-
-def calibrated_verdict_fits(verdict: Verdict, *, models: StudyModels, key: str, budget_bytes: int) -> bool:
-    """The pruning rule with the study's memory factor: the factor (fitted on training peaks) scales the
-    ledger's training need; the init phase's need and the host and NVMe checks stay the ledger's."""
-    ledger = verdict.ledger
-    if ledger is None:
-        return False
-    if ledger.fits_host is False or ledger.fits_nvme is False:
-        return False
-    measured_fit = key in models.measured_fits
-    return calibrated_fits(predicted_bytes=ledger.training_needed_bytes, budget_bytes=budget_bytes,
-                           factor=models.memory_factor(verdict.candidate), measured_fit=measured_fit) \
-        and (measured_fit or ledger.init_needed_bytes <= budget_bytes)
-
-
-def launchable(verdict: Verdict, *, models: StudyModels, key: str, budget_bytes: int) -> bool:
-    """Whether to launch a candidate that fits (:func:`calibrated_verdict_fits`): its calibrated device need
-    plus the launch margin (:meth:`StudyModels.margin_bytes`) within the budget, and its init need too — or
-    measured to fit already. A fitting candidate past that is *held*, not pruned: the margin shrinks as the
-    study measures its ledger, and it may be launched then."""
-    ledger = verdict.ledger
-    if ledger is None or not calibrated_verdict_fits(verdict, models=models, key=key, budget_bytes=budget_bytes):
-        return False
-    if key in models.measured_fits:
-        return True
-    margin = models.margin_bytes(verdict)
-    return models.memory_factor(verdict.candidate) * ledger.training_needed_bytes + margin <= budget_bytes \
-        and ledger.init_needed_bytes + MIN_MARGIN * ledger.init_needed_bytes <= budget_bytes
 
 
 def predicted_speed(candidate: Candidate, *, spec: StudySpec, models: StudyModels) -> StepTime | str:

@@ -6,6 +6,7 @@
       max_launches: 40            # real DeepSpeed launches (ledger-pruned and reused trials are free)
       deadline: 2026-11-30T07:00:00+00:00   # no launch starts after this instant
       max_hours: 10               # or: no launch starts this long after the study was created
+      headroom: 5 %               # of hardware.gpu_memory, kept free by the exported pick (or 0.05; default below)
     workers:
       heartbeat_s: 60             # Optuna RDBStorage heartbeat interval (PostgreSQL)
       grace_s: 180                # a trial with no heartbeat this long is failed (stale) ...
@@ -23,6 +24,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +32,52 @@ from datetime import datetime
 from typing import Any
 
 from optimizer.study.fields import Section, as_count_text, as_fraction, as_positive_int, as_text, as_text_list, built
+from optimizer.study.specs import Accelerator
 from optimizer.study.units import parse_count
+
+HEADROOM_CPU = 0.03
+"""Default ``budget.headroom`` on CPU ranks: the run-to-run spread measured here between identical runs
+(qwen2-tiny ZeRO-3 on 2 CPU ranks: 4.729, 4.860, 4.877 MB per rank, 3 %), the same figure as the launch
+margin's :data:`optimizer.search.ordering.MIN_MARGIN`."""
+
+HEADROOM_CUDA = 0.05
+"""Default ``budget.headroom`` on CUDA GPUs: an assumption, not a measurement. No GPU has run a dsopt study
+yet, so 5 % stands for the caching allocator's run-to-run variation of the reserved peak; replace it by the
+spread measured between identical GPU runs once there is one."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Headroom:
+    """The share of the per-device budget (``hardware.gpu_memory``) the exported pick keeps free, and where
+    that value comes from (:meth:`BudgetSettings.headroom_for`)."""
+
+    fraction: float
+    """Kept free, as a fraction of ``hardware.gpu_memory`` (0 ≤ fraction < 1; 0: the whole budget is usable)."""
+    stated: bool
+    """True: ``budget.headroom`` in the study file; False: the default for :attr:`accelerator`."""
+    accelerator: Accelerator
+    """The study's accelerator (which default applies when not stated)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.fraction) and 0 <= self.fraction < 1):
+            raise ValueError(f"headroom must be >= 0 and < 1, got {self.fraction!r}")
+
+    @property
+    def percent(self) -> str:
+        """The fraction as people write it: ``5 %``."""
+        return f"{self.fraction * 100:g} %"
+
+    @property
+    def basis(self) -> str:
+        """Where the value comes from, naming the key that sets it."""
+        if self.stated:
+            return "stated in budget.headroom"
+        where = "GPUs" if self.accelerator is Accelerator.CUDA else "CPU ranks"
+        return f"default on {where}; budget.headroom"
+
+    def usable_bytes(self, budget_bytes: int) -> int:
+        """Bytes per device a pick may have measured: ``budget_bytes − round(budget_bytes × fraction)``."""
+        return budget_bytes - round(budget_bytes * self.fraction)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,6 +90,10 @@ class BudgetSettings:
     """An absolute instant (timezone-aware) after which no launch starts; None: no deadline."""
     max_hours: float | None = None
     """Hours after the study's creation after which no launch starts; None: no limit."""
+    headroom: float | None = None
+    """Fraction of ``hardware.gpu_memory`` (per device) the exported pick keeps free, 0 ≤ headroom < 1;
+    None: not stated, :meth:`headroom_for` gives the accelerator's default (:data:`HEADROOM_CUDA`,
+    :data:`HEADROOM_CPU`). The search and the Pareto front are not limited by it; only the pick is."""
 
     def __post_init__(self) -> None:
         if self.max_launches is not None and self.max_launches < 1:
@@ -51,6 +102,16 @@ class BudgetSettings:
             raise ValueError("deadline needs a timezone, e.g. 2026-11-30T07:00:00+00:00")
         if self.max_hours is not None and not self.max_hours > 0:
             raise ValueError("max_hours must be > 0")
+        if self.headroom is not None and not (math.isfinite(self.headroom) and 0 <= self.headroom < 1):
+            raise ValueError(f"headroom must be >= 0 and < 1 (a fraction of hardware.gpu_memory such as 0.05, or "
+                             f"a percentage such as '5 %'), got {self.headroom:g} ({self.headroom * 100:g} %)")
+
+    def headroom_for(self, accelerator: Accelerator) -> Headroom:
+        """The headroom that applies on ``accelerator``: the stated one, else that accelerator's default."""
+        if self.headroom is not None:
+            return Headroom(fraction=self.headroom, stated=True, accelerator=accelerator)
+        default = HEADROOM_CUDA if accelerator is Accelerator.CUDA else HEADROOM_CPU
+        return Headroom(fraction=default, stated=False, accelerator=accelerator)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -153,11 +214,32 @@ slurm_mem = sbatch_format(SLURM_MEM, "memory size (a whole number with an option
                                         "megabytes by default; 0 = all of the node's; see sbatch --mem)")
 
 
+PERCENT = re.compile(r"([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*%")
+"""A percentage as people write it: ``5 %``, ``5%``, ``2.5 %``."""
+
+
+def headroom(value: Any) -> float:
+    """A fraction (``0.05``) or a percentage string (``"5 %"``, ``"5%"``) as a fraction; the range is checked by
+    :class:`BudgetSettings`."""
+    if isinstance(value, str) and (match := PERCENT.fullmatch(value.strip())):
+        return float(match.group(1)) / 100
+    try:
+        number = as_fraction(value)
+    except ValueError:
+        raise ValueError(f"expected a fraction of hardware.gpu_memory such as 0.05, or a percentage such as "
+                         f"'5 %', got {value!r}") from None
+    if 1 < number < 100:
+        raise ValueError(f"headroom must be a fraction below 1, got {value!r}; for {number:g} percent write "
+                         f"'{number:g} %'")
+    return number
+
+
 def parse_budget(section: Section) -> BudgetSettings:
     return built(section, lambda: BudgetSettings(
         max_launches=section.get("max_launches", as_positive_int, None),
         deadline=section.get("deadline", deadline, None),
         max_hours=section.get("max_hours", as_fraction, None),
+        headroom=section.get("headroom", headroom, None),
     ))
 
 
