@@ -14,10 +14,10 @@ memory); **feasible** = ran ok, no OOM, loss fidelity within the precision's tol
 
 Strategies:
 * **dsopt** — the study as built (launchers/study_run.run_study): ledger pruning with the calibrated memory
-  factor, the launch margin (optimizer/ordering.launchable), the enqueued seeds, calibrated time-model
-  ordering with every 3rd launch left to TPE; the launches are replaced by look-ups (its ``runner``, which
-  returns the recorded measurement: the study itself judges it against the budget), everything else is the
-  real code, on a SQLite storage. Its progress lines are not printed.
+  factor, the launch policy (optimizer/search/launch_policy.py: the probability to fit; next_launch.py: the
+  value of a launch), the enqueued seeds, every 3rd proposal left to TPE; the launches are replaced by
+  look-ups (its ``runner``, which returns the recorded measurement: the study itself judges it against the
+  budget), everything else is the real code, on a SQLite storage. Its progress lines are not printed.
 * **autotuner** — DeepSpeed's Autotuner walk as its source implements it (deepspeed/autotuning/autotuner.py:
   tune, tune_space, get_min_max_micro_batch_size, get_tuning_micro_batch_size_list): ZeRO stages in order;
   per stage the maximum micro-batch from its memory model ((budget − Adam model states of the stage) //
@@ -33,7 +33,7 @@ Strategies:
 A strategy that samples a candidate it already launched reuses the result (no launch). Reported per strategy
 over the seeds: launches to ≥ 98 % of the best (median, worst; "never" counts as all its launches), OOM
 launches, and for dsopt the false prunes (pruned by the ledger, never launched, measured to fit), the
-candidates held by the launch margin and never launched that measured to fit, and the time model's
+risky candidates held on a sampler's proposal and never launched that measured to fit, and the time model's
 Spearman rank correlation with the measured throughput of every ok candidate (calibrated on the trials of a
 run, median over runs). Asserts nothing.
 """

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from optimizer.ledger.transformer import parameter_count
-from optimizer.perf.calibration import MemorySample, TimeSample, calibrated_fits, fit_rates, memory_factor
+from optimizer.perf.calibration import MemorySample, TimeSample, fit_rates, memory_factor
 from optimizer.perf.throughput import FEATURES, Rates, predict, predict_candidate, profile_rates, work
 from optimizer.study.knobs import with_knobs
 from optimizer.study.specs import baseline_candidate
@@ -126,6 +126,3 @@ def test_memory_factor_is_the_median_ratio_but_never_prunes_a_measured_fit():
                MemorySample(predicted_bytes=180, measured_bytes=190, fits_budget_bytes=200)]
     k = memory_factor(samples)
     assert k == pytest.approx(200 / 180)  # the median ratio 1.2 would predict 216 > 200 for the third
-    assert calibrated_fits(predicted_bytes=180, budget_bytes=200, factor=k, measured_fit=False)
-    assert calibrated_fits(predicted_bytes=500, budget_bytes=200, factor=k, measured_fit=True)
-    assert not calibrated_fits(predicted_bytes=190, budget_bytes=200, factor=k, measured_fit=False)

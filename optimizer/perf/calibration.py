@@ -16,7 +16,7 @@ the exercised features (at most 2¹² small solves).
 gives the lower bound m = budget + 1 byte); the calibrated prediction is k·p with k the median of r.
 Guard: k is lowered, if need be, so that no candidate measured to fit would be predicted not to fit
 (k·p ≤ the budget for each of them) — a correction never turns a measured fit into a prune; and
-:func:`calibrated_fits` never prunes a candidate that was measured to fit.
+:func:`optimizer.search.launch_policy.assess` never prunes a candidate that was measured to fit.
 """
 
 from __future__ import annotations
@@ -120,8 +120,3 @@ def memory_factor(samples: Sequence[MemorySample]) -> float:
         if s.fits_budget_bytes is not None and s.measured_bytes <= s.fits_budget_bytes and s.predicted_bytes > 0:
             k = min(k, s.fits_budget_bytes / s.predicted_bytes)
     return k
-
-
-def calibrated_fits(*, predicted_bytes: int, budget_bytes: int, factor: float, measured_fit: bool) -> bool:
-    """The calibrated verdict: k·p ≤ budget — and always True for a candidate measured to fit (the guard)."""
-    return measured_fit or factor * predicted_bytes <= budget_bytes

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_two_workers_complete_a_study_on_a_journal_file(tmp_path):
-    path = write_cluster_study(tmp_path, budget={"max_launches": 3})
+    path = write_cluster_study(tmp_path, budget={"max_launches": 4})  # the FP32 reference + 3 trials
     storage = f"journal://{tmp_path / 'study.log'}"
     procs = [start_worker(path, storage, tmp_path / f"worker{i}.log") for i in range(2)]
     for proc in procs:

@@ -40,7 +40,7 @@ def _key(knobs: dict) -> str:
 
 
 def test_three_workers_share_one_study(tmp_path, postgres_url):
-    path = write_cluster_study(tmp_path, budget={"max_launches": 5}, workers=FAST_HEARTBEAT)
+    path = write_cluster_study(tmp_path, budget={"max_launches": 6}, workers=FAST_HEARTBEAT)  # 5 + the reference
     study_dir = tmp_path / path.stem
     procs = [start_worker(path, postgres_url, tmp_path / f"worker{i}.log") for i in range(3)]
     for proc in procs:
@@ -56,7 +56,8 @@ def test_three_workers_share_one_study(tmp_path, postgres_url):
     seeds = [t for t in stored.get_trials() if t.user_attrs.get("enqueued_by") == "seed"]
     assert len(seeds) == 3 and all("fixed_params" in t.system_attrs for t in seeds)
 
-    # The global cap: exactly max_launches launches, all workers together, each candidate at most once.
+    # The global cap: exactly max_launches launches, all workers together — the FP32 reference's one and five
+    # trials — each candidate at most once.
     started = _trial_launches(study_dir)
     assert len(started) == 5
     assert len({_key(r["candidate"]) for r in started}) == 5
@@ -74,7 +75,7 @@ def test_three_workers_share_one_study(tmp_path, postgres_url):
 
 
 def test_a_killed_worker_s_trial_is_failed_and_retried_elsewhere(tmp_path, postgres_url):
-    path = write_cluster_study(tmp_path, budget={"max_launches": 4}, workers=FAST_HEARTBEAT)
+    path = write_cluster_study(tmp_path, budget={"max_launches": 5}, workers=FAST_HEARTBEAT)  # 4 + the reference
     study_dir = tmp_path / path.stem
     procs = [start_worker(path, postgres_url, tmp_path / f"worker{i}.log") for i in range(2)]
     first = wait_for(lambda: _trial_launches(study_dir), timeout_s=300, what="a first trial launch")[0]
@@ -105,4 +106,4 @@ def test_a_killed_worker_s_trial_is_failed_and_retried_elsewhere(tmp_path, postg
     ok_ends = [r for r in _trial_launches(study_dir, "end") if r["outcome"] == "ok"]
     measured = [t for t in trials if t.state is optuna.trial.TrialState.COMPLETE and "reused_from" not in t.user_attrs]
     assert len(ok_ends) == len(measured) and all(t.values for t in measured)
-    assert len(_trial_launches(study_dir)) <= 4  # the killed launch counts against the cap too
+    assert len(_trial_launches(study_dir)) <= 4  # the killed launch counts against the cap too (5 - reference)

@@ -24,7 +24,8 @@ def _dsopt(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def test_submit_runs_a_two_worker_array_to_completion(tmp_path, postgres_url, slurm_conf):
-    path = write_cluster_study(tmp_path, budget={"max_launches": 4}, workers={"heartbeat_s": 2, "grace_s": 8})
+    path = write_cluster_study(tmp_path, budget={"max_launches": 5},  # the FP32 reference + 4 trials
+                               workers={"heartbeat_s": 2, "grace_s": 8})
     env = {**os.environ, "SLURM_CONF": slurm_conf, "DSOPT_STORAGE": postgres_url}
     submitted = _dsopt("slurm", "submit", str(path), "--workers", "2", env=env)
     assert submitted.returncode == 0, submitted.stderr
