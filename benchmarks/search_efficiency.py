@@ -2,7 +2,8 @@
 
     python benchmarks/search_efficiency.py [--grid GRID.json ...] [--seeds 20]
 
-Default: both recorded grids, benchmarks/data/grid-cpu.json and benchmarks/data/grid-llama-cpu.json.
+Default: the three recorded grids, benchmarks/data/grid-cpu.json, benchmarks/data/grid-llama-cpu.json and
+benchmarks/data/grid-qwen2-cpu.json.
 
 The grid (benchmarks/record_grid.py) holds one real DeepSpeed measurement per valid candidate. A strategy
 "launches" a candidate by looking its measurement up; what counts is how many launches it needs before it
@@ -69,8 +70,10 @@ from optimizer.study.units import parse_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.98
-GRIDS = (ROOT / "benchmarks" / "data" / "grid-cpu.json", ROOT / "benchmarks" / "data" / "grid-llama-cpu.json")
-"""The recorded grids: the built-in tiny GPT and a 4-layer GQA Llama (``record_grid.py``)."""
+GRIDS = (ROOT / "benchmarks" / "data" / "grid-cpu.json", ROOT / "benchmarks" / "data" / "grid-llama-cpu.json",
+         ROOT / "benchmarks" / "data" / "grid-qwen2-cpu.json")
+"""The recorded grids: the built-in tiny GPT, a 4-layer GQA Llama and a 3-layer GQA Qwen2 with tied embeddings
+(``record_grid.py``)."""
 
 
 class StopReplay(Exception):

@@ -253,8 +253,9 @@ def _loop(study: optuna.Study, *, spec: StudySpec, space: Branches, gate: Launch
             continue
         if stop is not None:
             report.say(f"stopping: {stop.text}")
-            if stop.untried:
-                report.say(untried_text(stop.untried))
+            if stop.untried:  # queued ones too: they were never tried either
+                report.say(untried_text(options(spec=spec, space=space, trials=trials, models=current[0],
+                                                verdicts=verdicts, include_queued=True)))
             break
         announced_wait = False
         if proposals % EXPLORE_EVERY != EXPLORE_EVERY - 1:  # every third proposal is the sampler's own choice

@@ -11,6 +11,7 @@ from test_trial_files import _fake_launch, _tiny_study
 from trial_fixtures import NEAR, rank_report
 
 from launchers.workloads.trial_rank import _over_limit
+from optimizer.ledger.items import Location
 from optimizer.results.trial_report import trial_json, trial_table
 from optimizer.results.trial_result import Outcome, StopAbove, stop_order, summarize
 
@@ -139,3 +140,27 @@ def test_run_trial_writes_the_limits_into_the_plan_only(repo_root, tmp_path, mon
     plain = trial.run_trial(study=study, candidate=candidate, trial_dir=tmp_path / "t")
     assert plain.outcome is Outcome.OK and plain.stopped_at is None
     assert "stop_above" not in json.loads((tmp_path / "t" / "plan.json").read_text())
+
+
+def test_the_study_passes_the_budget_as_the_ranks_measure_it(repo_root):
+    # A study's launch stops the ranks at the per-device budget as each rank measures it: the budget less the
+    # device reserve (added back by the objective), plus on CPU ranks the ledger's host items, which one memory
+    # holds beside the device share (cpu-tiny, ZeRO-1 with the optimizer on the host: Adam's states live there).
+    from dataclasses import replace
+
+    from launchers.study_run import stop_above
+    from optimizer.ledger.core import evaluate
+    from optimizer.study.knobs import OffloadDevice, ZeroStage
+    from optimizer.study.specs import baseline_candidate
+    from optimizer.study.study_file import load_study
+
+    tiny = load_study(repo_root / "studies" / "cpu-tiny.yaml")
+    spec = replace(tiny, hardware=replace(tiny.hardware, gpu_memory_bytes=10_000_000, device_reserve_bytes=1_000))
+    offloaded = replace(baseline_candidate(spec.training), zero_stage=ZeroStage.OPTIMIZER,
+                        offload_optimizer=OffloadDevice.CPU)
+    ledger = evaluate(candidate=offloaded, model=spec.model, hardware=spec.hardware, training=spec.training).ledger
+    host = ledger.training_host_share_bytes
+    assert host > 0  # the offloaded states
+    limits = stop_above(spec, offloaded)
+    assert limits.training_bytes == 10_000_000 - 1_000 + host
+    assert limits.init_bytes == 10_000_000 - 1_000 + ledger.init_bytes - ledger.init_bytes_at(Location.GPU)

@@ -79,7 +79,11 @@ def test_a_study_in_jsonl_mode_prints_one_record_per_trial_and_nothing_else_on_s
     measured = [r for r in records if r["status"] == "measured"]
     assert measured and all(r["memory_bytes"] > 0 and r["tokens_per_s"] > 0 for r in measured)
     front = {t.number for t in study.best_trials}
-    assert {r["trial"] for r in records if r["on_front"]} <= front
+    # "on_front" is the front when the trial finished: the last record's is the final front's, and the final
+    # front's trials (those among the records) were on it when they finished (a point is only ever pushed off)
+    assert records[-1]["on_front"] == (records[-1]["trial"] in front)
+    assert front & {r["trial"] for r in records} <= {r["trial"] for r in records if r["on_front"]}
+    assert front
     assert "stopping: this worker made its 5 launch(es) (retries and the FP32 reference included)" in err.getvalue()
     assert sum(1 for t in study.trials if "launches" in t.user_attrs) == 5  # pruned and reused ones spend none
 

@@ -23,7 +23,7 @@ def bench():
     return module
 
 
-@pytest.mark.parametrize("name", ["grid-cpu", "grid-llama-cpu"])
+@pytest.mark.parametrize("name", ["grid-cpu", "grid-llama-cpu", "grid-qwen2-cpu"])
 def test_the_grid_is_complete_and_describes_its_machine(name):
     data = json.loads((ROOT / "benchmarks" / "data" / f"{name}.json").read_text())
     assert len(data["candidates"]) == 84 and {"cpu", "cores", "versions"} <= set(data["machine"])

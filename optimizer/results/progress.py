@@ -4,7 +4,8 @@
 A finished trial reads ``#7  z2 bf16 ckpt=full mbs=4  2.44 MB  10,099 tok/s  ✓ front`` — its number, the
 candidate's label (:meth:`optimizer.study.knobs.Candidate.label`, the one identity the ledger, the launch and the
 export use), the memory objective (the measured device share, MB = 10^6 bytes), throughput, and whether it is
-on the feasible Pareto front now; a pruned, held, reused or failed trial says why in a few words.
+on the feasible Pareto front now; a pruned, held, reused or failed trial says why in a few words, and a failed
+launch what it cost (its wall time: ``oom: stopped at step 1: … (cost 14 s)``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def trial_summary(frozen: optuna.trial.FrozenTrial, *, base: Candidate, on_front
     return {"trial": frozen.number, "status": status, "label": label, "knobs": knobs,
             "memory_bytes": int(values[0]) if values else None, "tokens_per_s": values[1] if values else None,
             "loss_fidelity": attrs.get("loss_fidelity"), "on_front": on_front, "reason": reason,
-            "worker": attrs.get(WORKER_ATTR)}
+            "worker": attrs.get(WORKER_ATTR), "launches": attrs.get("launches", 0),
+            "wall_s": attrs.get("wall_s") if "reused_from" not in attrs else None}
 
 
 def trial_line(summary: dict[str, Any]) -> str:
@@ -55,7 +57,8 @@ def trial_line(summary: dict[str, Any]) -> str:
     reason = " ".join(str(summary["reason"]).split()).removeprefix(f"{summary['status']}: ")
     if len(reason) > REASON_CHARS:
         reason = reason[:REASON_CHARS - 1] + "…"
-    return f"{head} {summary['status']}" + (f": {reason}" if reason else "")
+    cost = f" (cost {summary['wall_s']:.0f} s)" if summary.get("wall_s") and summary["memory_bytes"] is None else ""
+    return f"{head} {summary['status']}" + (f": {reason}" if reason else "") + cost
 
 
 def duration_text(seconds: float | None) -> str:

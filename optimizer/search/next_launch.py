@@ -9,13 +9,14 @@ predicted speed and step time, and its value (:mod:`optimizer.search.launch_valu
    :func:`promise` order;
 2. then the highest value (equal values — within 0.1 % — in :func:`promise` order). A candidate the model cannot
    predict (it needs a figure no measured trial exercised, e.g. ZeRO-3's per-micro-step cost when only ZeRO-0–2
-   ran) is predicted with that figure borrowed from its nearest measured kin (:func:`imputed_rates`) and the
-   prior's larger error; a risky candidate has a lower probability, so a lower value: it comes late unless what
-   it may gain is large — never excluded while launches remain.
+   ran) is predicted with that figure borrowed from its measured kin (:func:`imputed_rates`) and the larger error
+   of a time class the study has not measured; a risky candidate has a lower probability, so a lower value: it
+   comes late unless what it may gain is large — never excluded while launches remain.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -26,6 +27,7 @@ from optimizer.perf.throughput import FEATURES, Rates
 from optimizer.search.launch_policy import Assessment, Standing, assess
 from optimizer.search.launch_value import (
     SPEED_ERROR_PRIOR,
+    SPEED_ERROR_UNMEASURED,
     FrontSummary,
     front_summary,
     gain,
@@ -33,39 +35,54 @@ from optimizer.search.launch_value import (
     speed_error,
 )
 from optimizer.search.ordering import (
+    EARN_SAMPLES,
     StudyModels,
     candidate_of,
     measured_trials,
     predicted_speed,
 )
 from optimizer.search.space import Branches, distribution_params, in_space
-from optimizer.study.knobs import Candidate, OffloadDevice
+from optimizer.study.knobs import Candidate, OffloadDevice, Precision
 from optimizer.study.specs import baseline_candidate
 from optimizer.study.study_file import StudySpec
 
 KIN = {"flops_fp32": ("flops_16bit",), "flops_16bit": ("flops_fp32",), "comm_bytes": ("comm_bytes_z3",),
-       "comm_bytes_z3": ("comm_bytes",),
-       "micro_steps_z0": ("micro_steps_z1", "micro_steps_z2", "micro_steps_z3"),
-       "micro_steps_z1": ("micro_steps_z0", "micro_steps_z2", "micro_steps_z3"),
-       "micro_steps_z2": ("micro_steps_z1", "micro_steps_z3", "micro_steps_z0"),
-       "micro_steps_z3": ("micro_steps_z2", "micro_steps_z1", "micro_steps_z0")}
-"""Where an unknown figure is borrowed from, nearest first: the other precision's FLOP rate, the other
-collective rate, the nearest ZeRO stage's per-micro-step cost. Offload, host-optimizer and NVMe figures have no
-kin: they stay unknown (the candidate is then valued as if it matched the best measured speed)."""
+       "comm_bytes_z3": ("comm_bytes",)}
+"""Where an unknown figure is borrowed from: the other precision's FLOP rate, the other collective rate.
+Offload, host-optimizer and NVMe figures have no kin: they are taken as free (0 s), which makes the prediction
+an upper bound on the candidate's speed (its twin without offload)."""
+STAGE_STEPS = ("micro_steps_z0", "micro_steps_z1", "micro_steps_z2", "micro_steps_z3")
+"""Per-micro-step cost of each ZeRO stage, lowest first: a higher stage does more per micro-step (gradient
+partitioning at 2, parameter gathering at 3), so a known higher stage's cost bounds an unknown lower one's."""
 
 
 def imputed_rates(rates: Rates) -> Rates:
-    """``rates`` with each unknown figure borrowed from its nearest known kin (:data:`KIN`)."""
+    """``rates`` with each unknown figure borrowed from its kin (:data:`KIN`); an unknown stage's per-micro-step
+    cost is half the nearest higher stage's (all we know is 0 ≤ x ≤ it: the middle of that range), else the
+    nearest lower stage's (a lower bound: the highest stage measured so far); a figure without kin is free (0 s).
+    Where no figure at all is known the rates stay unknown."""
     known = dict(zip(FEATURES, rates.seconds_per, strict=True))
-    filled = []
-    for name in FEATURES:
-        value = known[name]
-        for kin in KIN.get(name, ()) if value is None else ():
-            if known[kin] is not None:
-                value = known[kin]
-                break
-        filled.append(value)
-    return replace(rates, seconds_per=tuple(filled), source=rates.source + ", unknown figures borrowed from kin")
+    filled = dict(known)
+    for name, kins in KIN.items():
+        if known[name] is None:
+            filled[name] = next((known[k] for k in kins if known[k] is not None), None)
+    for index, name in enumerate(STAGE_STEPS):
+        if known[name] is not None:
+            continue
+        higher = [known[n] for n in STAGE_STEPS[index + 1:] if known[n] is not None]
+        lower = [known[n] for n in reversed(STAGE_STEPS[:index]) if known[n] is not None]
+        filled[name] = higher[0] / 2 if higher else (lower[0] if lower else None)
+    if all(value is None for value in filled.values()):
+        return rates
+    return replace(rates, seconds_per=tuple(0.0 if filled[name] is None else filled[name] for name in FEATURES),
+                   source=rates.source + ", unknown figures borrowed from kin")
+
+
+def time_class(candidate: Candidate) -> tuple:
+    """Candidates that run the same code path of a step: ZeRO stage, fp32 or 16-bit, offload (checkpointing and
+    micro-batch change only the amounts of work the time model counts)."""
+    c = candidate
+    return (int(c.zero_stage), c.precision is Precision.FP32, str(c.offload_optimizer), str(c.offload_param))
 
 
 def promise(candidate: Candidate) -> tuple:
@@ -115,11 +132,12 @@ def summary_of(*, spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial], m
 
 
 def options(*, spec: StudySpec, space: Branches, trials: Sequence[optuna.trial.FrozenTrial], models: StudyModels,
-            verdicts: Sequence[Verdict]) -> list[Option]:
-    """Every candidate of the space that may be launched and has no result, is not running and not queued, in
-    launch order (module doc)."""
+            verdicts: Sequence[Verdict], include_queued: bool = False) -> list[Option]:
+    """Every candidate of the space that may be launched and has no result, is not running and not queued (unless
+    ``include_queued``: what a stop leaves untried), in launch order (module doc)."""
     taken = {t.user_attrs.get("label") for t in trials if t.state is optuna.trial.TrialState.RUNNING}
-    queued = [t.params for t in trials if t.state is optuna.trial.TrialState.WAITING]
+    queued = [] if include_queued else [  # an enqueued trial keeps its parameters as fixed_params until it runs
+        t.system_attrs.get("fixed_params", t.params) for t in trials if t.state is optuna.trial.TrialState.WAITING]
     done = final_keys(trials)
     open_ = []
     for verdict in verdicts:
@@ -137,6 +155,9 @@ def options(*, spec: StudySpec, space: Branches, trials: Sequence[optuna.trial.F
     predictions = {v.candidate.label(): predicted_speed(v.candidate, spec=spec, models=models) for v, _ in open_}
     known = [p for p in predictions.values() if not isinstance(p, str)]
     borrowed = replace(models, rates=imputed_rates(models.rates))
+    base = baseline_candidate(spec.training)
+    seen = Counter(time_class(candidate_of(t.user_attrs["candidate"], base)) for t in measured_trials(trials))
+    measured_classes = {kind for kind, count in seen.items() if count >= EARN_SAMPLES}  # one may be a lucky one
     imputed = {label: predicted_speed(v.candidate, spec=spec, models=borrowed) if isinstance(p, str) else p
                for (v, _), (label, p) in zip(open_, predictions.items(), strict=True)}
     fastest = max((p.tokens_per_s for p in known), default=0.0)
@@ -146,10 +167,14 @@ def options(*, spec: StudySpec, space: Branches, trials: Sequence[optuna.trial.F
         candidate = verdict.candidate
         step = imputed[candidate.label()]
         tokens = None if isinstance(step, str) else step.tokens_per_s
-        guessed = isinstance(predictions[candidate.label()], str)
-        worth = gain(tokens_per_s=tokens, need_bytes=assessment.need_bytes,
-                     budget_bytes=verdict.ledger.gpu_capacity_bytes, fastest_predicted=fastest,
-                     front=replace(front, speed_error=SPEED_ERROR_PRIOR) if guessed else front)
+        if models.time_samples == 0:
+            sigma = SPEED_ERROR_PRIOR
+        elif time_class(candidate) in measured_classes and not isinstance(predictions[candidate.label()], str):
+            sigma = front.speed_error
+        else:
+            sigma = max(front.speed_error, SPEED_ERROR_UNMEASURED)
+        worth = gain(tokens_per_s=tokens, sigma=sigma, need_bytes=assessment.need_bytes,
+                     budget_bytes=verdict.ledger.gpu_capacity_bytes, fastest_predicted=fastest, front=front)
         cost = launch_cost_s(fit_probability=assessment.fit_probability,
                              step_s=typical_step if isinstance(step, str) else step.total_s,
                              warmup_steps=spec.trial.warmup_steps, measured_steps=spec.trial.measured_steps,

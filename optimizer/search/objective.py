@@ -99,7 +99,7 @@ def seed_study(study: optuna.Study, spec: StudySpec, space: Branches) -> int:
         study.enqueue_trial(distribution_params(option.candidate, space), skip_if_exists=True,
                             user_attrs={"enqueued_by": "seed"})
     study.set_user_attr("dsopt_seeded", True)
-    return min(len(ranked), SEED_ENQUEUE)
+    return sum(1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get("enqueued_by") == "seed")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

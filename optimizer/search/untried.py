@@ -28,7 +28,8 @@ def untried_options(spec: StudySpec, trials: Sequence[optuna.trial.FrozenTrial])
                             for c in spec.search_space.candidates(base))
                 if v.ledger is not None and in_space(v.candidate, space)]
     models = study_models(spec=spec, trials=list(trials), base=base)
-    return options(spec=spec, space=space, trials=list(trials), models=models, verdicts=verdicts)
+    return options(spec=spec, space=space, trials=list(trials), models=models, verdicts=verdicts,
+                   include_queued=True)
 
 
 def untried_text(untried: Sequence[Option], *, shown: int = SHOWN) -> str:

@@ -3,7 +3,7 @@
 ::
 
     budget:                       # enforced across all workers of the study
-      max_launches: 40            # real DeepSpeed launches (ledger-pruned and reused trials are free)
+      max_launches: 40            # real DeepSpeed launches, retries and the FP32 reference included
       deadline: 2026-11-30T07:00:00+00:00   # no launch starts after this instant
       max_hours: 10               # or: no launch starts this long after the study was created
       headroom: 5 %               # of hardware.gpu_memory, kept free by the exported pick (or 0.05; default below)
@@ -85,7 +85,8 @@ class BudgetSettings:
     """How much the whole study may spend, all workers together (``budget``)."""
 
     max_launches: int | None = None
-    """Real DeepSpeed launches (measured or failed trials, the FP32 reference not counted); None: no cap."""
+    """Real DeepSpeed launches — every trial's launches, its retries included, and the FP32 reference's; pruned,
+    held and reused trials launch nothing and are free; None: no cap."""
     deadline: datetime | None = None
     """An absolute instant (timezone-aware) after which no launch starts; None: no deadline."""
     max_hours: float | None = None
