@@ -9,8 +9,8 @@ recorded with ``python benchmarks/record_grid.py studies/llama-tiny-cpu.yaml --o
 benchmarks/data/llama-tiny-cpu.json``), then the transformers families of ``benchmarks/hf_families.py --record``
 (``benchmarks/data/families/*.json``: gpt2, qwen2, gemma, gemma2, phi3, mixtral, opt; ZeRO 0 and 3, fp32 and
 bf16). For every measured run of a recorded grid it computes the ledger
-twice — activations from the formula and from the trace (``dsopt trace``'s figures, cached in the study's
-``traces.json``) — and prints each prediction's error against the measured per-rank peak, then a summary.
+twice — activations from the formula and from the trace (``dsopt trace``'s figures, cached by content in
+dsopt's cache folder) — and prints each prediction's error against the measured per-rank peak, then a summary.
 
 What is compared: on CPU ranks the measured peak is the live-tensor peak of the rank's process (PyTorch
 profiler), so the ledger's prediction is its per-rank host-RAM peak, device and host items together (the
@@ -94,7 +94,7 @@ def per_block(study_file: Path) -> None:
     """The bytes one block keeps for backward (no checkpointing, 16-bit where the space has it)."""
     study = load_study(study_file)
     model, seq, b = study.model, study.training.sequence_length, study.training.micro_batch_size
-    rows = [row for row in trace_rows(study=study, cache=study.output_dir / "traces.json")
+    rows = [row for row in trace_rows(study=study)
             if row["checkpointing"] == "none" and row["source"] == "trace"]
     print(f"\n{study.name}: one block's kept activations, b = {b}, s = {seq}, h = {model.hidden_size}, "
           f"a = {model.heads}, f = {model.ffn_size}, kv heads = {model.kv_heads} (MB = 10^6 bytes)")

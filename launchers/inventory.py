@@ -4,9 +4,12 @@ The model — a ``transformers`` config (``model.hf_config``: ``AutoModelForCaus
 it) or a ``model.entry_point`` — is built on ``FakeTensorMode`` (meta-backed tensors: shapes and dtypes, nothing
 allocated; a 70B model takes seconds), exactly as trials and traces build it, and every parameter is read off
 ``named_parameters(remove_duplicate=False)``: tensors that appear under several names (tied embeddings) are
-recorded once with their group. Cached per (model spec, torch and transformers versions) in
-``studies/NAME/inventory.json``. A model that cannot be built this way (custom code that needs real values, a
-missing package) gives one warning naming the reason, and the ledger keeps the shape's layout — never a crash.
+recorded once with their group. Cached by content in dsopt's cache folder (``inventory/`` in
+:func:`launchers.cache_dir.cache_dir`): per (model spec, torch and transformers versions, the source of dsopt's
+code that builds it and of an entry point's module, the sequence length an entry point is built for), never per
+study path, so a copied study or another study of the same model reads it; reading it imports no torch. A model
+that cannot be built this way (custom code that needs real values, a missing package) gives one warning naming
+the reason, and the ledger keeps the shape's layout — never a crash.
 
 Studies given by their shape alone (the built-in GPT) keep the hand layout: it equals this inventory exactly
 (tests/test_inventory.py), and ``dsopt ledger`` then stays free of torch.
@@ -16,22 +19,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import importlib.util
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
-from launchers.json_cache import JsonFileCache
+from launchers.cache_dir import cache_dir, source_digest
+from launchers.json_cache import KeyedJsonStore
 from optimizer.deepspeed.versions import installed_versions
 from optimizer.ledger.inventory import InventoryTensor, ParameterInventory, inventory_key
 from optimizer.study.errors import UserError, error_summary
 from optimizer.study.specs import TransformerModel
 from optimizer.study.study_file import StudySpec
+
+if TYPE_CHECKING:
+    from torch import nn
+
+INVENTORY_CODE = ("launchers.inventory", "launchers.workloads.builtin", "launchers.workloads.construction",
+                  "launchers.workloads.hf_model")
+"""dsopt's modules that build the model and read its parameters: their source is in the cache key."""
 
 
 class InventoryFailed(RuntimeError):
@@ -76,6 +82,8 @@ def meta_parameters() -> Iterator[None]:
     set-up, its buffers). Like ``accelerate.init_empty_weights(include_buffers=False)``, but a parameter already
     on the meta device is kept as the same object, so ``head.weight = embed.weight`` stays one shared tensor
     (accelerate re-wraps it, and the tie would be counted twice)."""
+    from torch import nn
+
     original = nn.Module.register_parameter
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -92,6 +100,8 @@ def meta_parameters() -> Iterator[None]:
 
 def _entry_model(returned: Any, name: str) -> nn.Module:
     """The model of an entry point's ``(model, batch_fn)``; EntryPointBroken for any other return."""
+    from torch import nn
+
     if not isinstance(returned, tuple) or len(returned) != 2:
         raise EntryPointBroken(f"{name} returned {type(returned).__name__}; an entry point returns "
                                "(model, batch_fn)")
@@ -131,6 +141,7 @@ def _build_entry_point(model_spec: dict[str, Any], *, sequence_length: int) -> t
 def take_inventory(model_spec: dict[str, Any], *, sequence_length: int) -> ParameterInventory:
     """Build the model of ``model_spec`` (:func:`launchers.trial.model_dict`) without parameter memory and read
     its parameters; :class:`InventoryFailed` when it cannot be built that way."""
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from launchers.workloads.builtin import build_model
@@ -154,44 +165,43 @@ def take_inventory(model_spec: dict[str, Any], *, sequence_length: int) -> Param
     return inventory_of(model, source=f"{how}; torch {versions['torch']}")
 
 
-class InventoryCache(JsonFileCache):
-    """``studies/NAME/inventory.json``: one entry per (model spec, library versions)."""
+class InventoryCache:
+    """Parameter inventories, one file per key in ``folder`` (:class:`launchers.json_cache.KeyedJsonStore`; None:
+    kept in this instance only); :meth:`shared` is dsopt's cache folder."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self.store = KeyedJsonStore(folder)
+
+    @classmethod
+    def shared(cls) -> InventoryCache:
+        """The cache in dsopt's cache folder: ``cache_dir()/inventory``."""
+        return cls(cache_dir() / "inventory")
 
     def get(self, key: str) -> ParameterInventory | None:
-        entry = self.data.get(key)
+        entry = self.store.get(key)
         if entry is None:
             return None
         try:
             return ParameterInventory.from_json(entry)
-        except (ValueError, KeyError, TypeError):  # an older format: take it again
+        except (ValueError, KeyError, TypeError, AttributeError):  # an older format: take it again
             return None
 
     def put(self, key: str, inventory: ParameterInventory) -> None:
-        self.store(key, inventory.to_json())
+        self.store.put(key, inventory.to_json())
 
 
 @contextlib.contextmanager
-def _importable_from(folder: str) -> Iterator[None]:
-    """``folder`` first on ``sys.path`` for the block: an entry point's module sits beside the study, and
-    trials put that folder on their PYTHONPATH (:func:`launchers.trial.rank_plan`)."""
-    sys.path.insert(0, folder)
+def importable_from(folder: Path | str | None) -> Iterator[None]:
+    """``folder`` first on ``sys.path`` for the block (None: as it is): an entry point's module sits beside the
+    study, and trials put that folder on their PYTHONPATH (:func:`launchers.trial.rank_plan`)."""
+    if folder is None:
+        yield
+        return
+    sys.path.insert(0, str(folder))
     try:
         yield
     finally:
-        sys.path.remove(folder)
-
-
-def _module_digest(entry_point: str, folder: str) -> str | None:
-    """SHA-256 of the entry point's module file (found as trials find it), or None."""
-    with _importable_from(folder):
-        try:
-            spec = importlib.util.find_spec(entry_point.partition(":")[0])
-        except (ImportError, ValueError):
-            spec = None
-    origin = getattr(spec, "origin", None)
-    if not origin or not Path(origin).is_file():
-        return None
-    return hashlib.sha256(Path(origin).read_bytes()).hexdigest()
+        sys.path.remove(str(folder))
 
 
 def with_inventory(study: StudySpec, *, warn: Callable[[str], None] | None = None) -> StudySpec:
@@ -205,17 +215,19 @@ def with_inventory(study: StudySpec, *, warn: Callable[[str], None] | None = Non
     if not isinstance(model, TransformerModel) or not model.counted_from_code:
         return study
     spec = model_dict(model)
-    installed = installed_versions()
+    installed = installed_versions()  # importlib.metadata: a cached inventory is read without importing torch
     versions = {name: installed.get(name) for name in ("torch", "transformers")}
-    folder = str(study.path.parent.resolve())
-    if model.entry_point:
-        versions["entry_point_source"] = _module_digest(model.entry_point, folder)  # edited code: taken again
-    key = inventory_key(spec, versions=versions)
-    cache = InventoryCache(study.output_dir / "inventory.json")
+    versions["dsopt_inventory_code"] = source_digest(INVENTORY_CODE)
+    folder = study.path.parent.resolve()
+    if model.entry_point:  # edited code: taken again
+        versions["entry_point_source"] = source_digest([model.entry_point.partition(":")[0]], folder=folder)
+    key = inventory_key(spec, versions=versions,
+                        sequence_length=study.training.sequence_length if model.entry_point else None)
+    cache = InventoryCache.shared()
     inventory = cache.get(key)
     if inventory is None:
         try:
-            with _importable_from(folder):
+            with importable_from(folder):
                 inventory = take_inventory(spec, sequence_length=study.training.sequence_length)
         except EntryPointBroken as err:
             raise UserError(source=str(study.path), key="model.entry_point", why=str(err)) from None

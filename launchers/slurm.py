@@ -28,6 +28,7 @@ from optimizer.search.coordination import WORKER_ATTR, now_utc
 from optimizer.search.storage import (
     allows_parallel_workers,
     check_readable,
+    check_storage_url,
     open_storage,
     redact,
     storage_error,
@@ -89,14 +90,21 @@ class Submission:
     """SLURM's job id (None on --dry-run)."""
 
 
-def _check_storage(storage: str | None) -> str:
+def check_submission(storage: str | None) -> tuple[str, str]:
+    """The shared storage URL and the ``sbatch`` binary, or one UserError — checked without opening the storage
+    or writing anything (the submission's first step)."""
     if not storage:
         raise UserError(source="--storage", key="", why=f"a shared storage is required (or ${STORAGE_VAR}): "
                         "postgresql+psycopg://USER@HOST/DB or journal:///shared/file.log")
     if not allows_parallel_workers(storage):
         raise UserError(source="--storage", key=redact(storage), why="SQLite is single-process and not safe on "
                         "shared filesystems: SLURM workers need postgresql+psycopg://... or journal:///...")
-    return storage
+    check_storage_url(storage, parallel=True)
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        raise UserError(source="dsopt slurm submit", key="sbatch", why="not found on PATH: is this a SLURM login "
+                        "node? (--dry-run prints the script)")
+    return storage, sbatch
 
 
 def submit(*, spec: StudySpec, workers: int, storage: str | None, dry_run: bool) -> Submission:
@@ -107,15 +115,11 @@ def submit(*, spec: StudySpec, workers: int, storage: str | None, dry_run: bool)
                            log_dir=slurm_dir(spec))
     if dry_run:
         return Submission(script=script, script_path=None, job_id=None)
-    url = _check_storage(storage)
+    url, sbatch = check_submission(storage)
     open_storage(url, workers=spec.workers).get_all_studies()  # unreachable storage: fail here, not in N jobs
-    sbatch = shutil.which("sbatch")
-    if sbatch is None:
-        raise UserError(source="dsopt slurm submit", key="sbatch", why="not found on PATH: is this a SLURM login "
-                        "node? (--dry-run prints the script)")
     from launchers.study_traces import with_traced_activations
 
-    with_traced_activations(spec)  # once here, so the array's workers find studies/NAME/traces.json warm
+    with_traced_activations(spec)  # once here, so the array's workers find the cache folder warm (cache_dir())
     folder = slurm_dir(spec)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "worker.sbatch"

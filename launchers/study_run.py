@@ -33,6 +33,7 @@ from launchers.progress import Progress, ProgressMode
 from launchers.trial import reference_key, reference_losses, run_trial, trial_dir_for
 from optimizer.ledger.core import evaluate
 from optimizer.ledger.items import Location
+from optimizer.perf.hardware_profiles import profile_mismatch
 from optimizer.results.trial_result import StopAbove, TrialResult
 from optimizer.search.coordination import (
     CREATED_ATTR,
@@ -161,20 +162,24 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     worker = worker_id()
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are data: our progress line reports them
     study = open_study(spec=spec, storage=storage, sampler=sampler)
-    spec = with_traced_activations(spec)  # once the storage is known to be reachable; cached per study
+    spec = with_traced_activations(spec)  # once the storage is known to be reachable; cached by content
     losses = setup_study(study=study, spec=spec, space=space, worker=worker,
                          reference=reference or (lambda: reference_losses(spec, gpus=gpus)),
                          reference_launches=(lambda: 0) if reference is not None
                          else (lambda: 0 if reference_cached(spec) else 1))
+
+    mismatch_said: list[str] = []  # a device unlike hardware.profile: said once
 
     def launch(candidate: Candidate) -> TrialResult:
         report.started(candidate)
         if runner is not None:
             return runner(candidate, losses)
         step = predicted_speed(candidate, spec=spec, models=current[0])  # calibrated once trials are measured
-        return run_trial(study=spec, candidate=candidate, reference_losses=losses,
-                         step_s=None if isinstance(step, str) else step.total_s, gpus=gpus,
-                         stop_above=stop_above(spec, candidate))
+        result = run_trial(study=spec, candidate=candidate, reference_losses=losses,
+                           step_s=None if isinstance(step, str) else step.total_s, gpus=gpus,
+                           stop_above=stop_above(spec, candidate))
+        say_profile_mismatch(spec, result, said=mismatch_said, worker=worker)
+        return result
 
     fail_stale = _fail_stale if storage_kind(storage) is StorageKind.POSTGRESQL else None
     gate = LaunchGate(budget=spec.budget, worker=worker, created_at=study.user_attrs.get(CREATED_ATTR),
@@ -191,6 +196,17 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     finally:
         report.close()
     return study
+
+
+def say_profile_mismatch(spec: StudySpec, result: TrialResult, *, said: list[str], worker: str) -> None:
+    """Once per worker (``said`` keeps it): the device a trial reports is not the study's ``hardware.profile``
+    (:func:`optimizer.perf.hardware_profiles.profile_mismatch`), so its speed figures describe another GPU."""
+    if said or spec.hardware.profile is None or result.device_name is None:
+        return
+    why = profile_mismatch(spec.hardware.profile, result.device_name, result.device_total_bytes)
+    if why is not None:
+        said.append(why)
+        _say(worker, f"warning: {why}")
 
 
 def reference_cached(spec: StudySpec) -> bool:

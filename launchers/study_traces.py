@@ -1,91 +1,226 @@
-"""A study's traces: each (checkpointing, precision, micro-batch) of its search space traced once, cached in
-``studies/NAME/traces.json``, and filled into its model spec as the ledger's activation figures."""
+"""A study's traces: each (checkpointing, precision, micro-batch) its ledgers need, traced once on fake tensors
+(:mod:`launchers.trace`; deep models from two shallow copies, :mod:`launchers.trace_depth`), cached by content in
+dsopt's cache folder (:mod:`launchers.cache_dir`), and filled into its model spec as the ledger's activation figures.
+
+One cache entry is the whole model's trace (or its failure) at one (checkpointing, precision, micro-batch), under
+the key :func:`trace_key`: the model as the ranks build it, the sequence length, the parameter count the shallow
+copies are checked against, the torch (and, for models built by code, transformers) version, the source of dsopt's
+tracing code and of an entry point's module. Nothing in it names the study or where it sits, so a copied or moved
+study, or another study of the same model, reads the same entries. Reading them imports neither torch nor
+transformers — the ledger's figures are taken off the stored JSON — so a warm ``dsopt ledger`` stays light; a
+missing entry imports the tracer.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from launchers.json_cache import JsonFileCache
-from launchers.trace import TraceFailure, TraceResult, joint_peak, trace, trace_key
-from launchers.trace_depth import shallow_specs, trace_by_depth
+from launchers.cache_dir import cache_dir, source_digest
+from launchers.json_cache import KeyedJsonStore
+from optimizer.deepspeed.versions import installed_versions
 from optimizer.ledger.constraints import invalid_reasons
-from optimizer.study.knobs import Precision, parse_checkpointing, with_knobs
+from optimizer.study.knobs import Candidate, Precision, parse_checkpointing, with_knobs
 from optimizer.study.specs import TransformerModel, baseline_candidate
 from optimizer.study.study_file import StudySpec
 from optimizer.study.traced_activation import TracedActivation
 
+if TYPE_CHECKING:
+    from launchers.trace import TraceFailure, TraceResult
 
-class TraceCache(JsonFileCache):
-    """``studies/NAME/traces.json``, read once; each new trace is written at once, so an interrupted study keeps
-    what it traced. Failures are cached too, with their reason; an unreadable or older entry is traced again.
-    Without a path nothing is stored."""
-
-    def trace(self, **kwargs: Any) -> TraceResult | TraceFailure:
-        """:func:`trace` with these arguments, from the cache when it holds them."""
-        key = trace_key(**kwargs)
-        entry = self.data.get(key)
-        if entry is not None:
-            try:
-                if entry["ok"]:
-                    result = entry["result"]
-                    return TraceResult(**{**result, "notes": tuple(result["notes"]),
-                                          "joint_segments": tuple(tuple(p) for p in result["joint_segments"]),
-                                          "working_segments": tuple(result["working_segments"]),
-                                          "ungraded_segments": tuple(result["ungraded_segments"]),
-                                          "graded_segments": tuple(result["graded_segments"])})
-                return TraceFailure(**entry["result"])
-            except (TypeError, KeyError):  # written by an older format: trace again
-                pass
-        result = trace(**kwargs)
-        self.store(key, {"ok": isinstance(result, TraceResult), "result": asdict(result)}, indent=1)
-        return result
-
-    def holds_model(self, *, model_spec: dict[str, Any], parameters: int | None, **kwargs: Any) -> bool:
-        """Whatever :meth:`trace_model` would trace for these arguments is cached (the shallow copies', or the
-        full model's)."""
-        chosen = shallow_specs(model_spec, kwargs["checkpointing"], parameters)
-        specs = chosen[1] if chosen is not None else [model_spec]
-        return all(trace_key(model_spec=spec, **kwargs) in self for spec in specs)
-
-    def trace_model(self, *, model_spec: dict[str, Any], parameters: int | None, **kwargs: Any
-                    ) -> TraceResult | TraceFailure:
-        """The trace of the whole model, from two shallow copies where they extend to its ``parameters``
-        (:mod:`launchers.trace_depth`), else at full depth; each copy's trace cached as any other."""
-        return trace_by_depth(lambda spec: self.trace(model_spec=spec, **kwargs), model_spec=model_spec,
-                              checkpointing=kwargs["checkpointing"], parameters=parameters)
+TRACE_CODE = ("launchers.trace", "launchers.trace_depth", "launchers.workloads.builtin",
+              "launchers.workloads.construction", "launchers.workloads.hf_model", "launchers.workloads.fake_kernels",
+              "optimizer.ledger.zero3_gather", "optimizer.deepspeed.zero_settings")
+"""dsopt's modules that make a whole-model trace (the tracer, the depth extension, the models it builds, the
+ZeRO-3 replay): their source is in every key, so an edit of any of them traces again."""
+ENTRY_FORMAT = 1
+"""Bumped when a cache entry's layout (``{"ok", "result"}``) changes."""
+_RESULT_FIELDS = ("parameters", "activation_peak_bytes", "peak_phase", "stored_bytes", "blocks_stored_bytes",
+                  "joint_segments", "ungraded_segments", "graded_segments", "notes", "zero3_gathered_elements")
+"""What a stored trace must hold to be used (the ledger's figures and :func:`trace_rows`' columns)."""
 
 
-def cached_trace(*, cache: Path | None, model_spec: dict[str, Any], checkpointing: str, precision: Precision,
+def trace_key(*, model_spec: Mapping[str, Any], checkpointing: str, precision: Precision, micro_batch: int,
+              sequence_length: int, parameters: int | None, code: Mapping[str, str | int | None]) -> str:
+    """The cache key of one whole-model trace: everything that determines it (module doc), as canonical JSON.
+    ``parameters``: the full model's count the shallow copies must extend to (None: traced at full depth);
+    ``code``: :meth:`TraceCache.code` (library versions, dsopt's tracing source, the entry point's source)."""
+    return json.dumps({"model": dict(model_spec), "checkpointing": checkpointing, "precision": str(precision),
+                       "micro_batch": micro_batch, "sequence_length": sequence_length, "parameters": parameters,
+                       "code": dict(code)}, sort_keys=True, separators=(",", ":"))
+
+
+def _usable(entry: Any) -> bool:
+    """A stored entry of this layout (an older or hand-edited one is traced again)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("result"), dict):
+        return False
+    fields = _RESULT_FIELDS if entry.get("ok") is True else ("op", "message") if entry.get("ok") is False else None
+    return fields is not None and all(name in entry["result"] for name in fields)
+
+
+def _typed(entry: dict[str, Any]) -> TraceResult | TraceFailure:
+    """The :class:`launchers.trace.TraceResult` (or failure) of a stored entry."""
+    from launchers.trace import TraceFailure, TraceResult
+
+    result = entry["result"]
+    if not entry["ok"]:
+        return TraceFailure(**result)
+    return TraceResult(**{**result, "notes": tuple(result["notes"]),
+                          "joint_segments": tuple(tuple(p) for p in result["joint_segments"]),
+                          "working_segments": tuple(result["working_segments"]),
+                          "ungraded_segments": tuple(result["ungraded_segments"]),
+                          "graded_segments": tuple(result["graded_segments"])})
+
+
+def _joint_peak(segments: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """:func:`launchers.trace.joint_peak` of stored segments, without importing the tracer (and torch)."""
+    best = max(segments, key=sum, default=(0, 0))
+    return int(best[0]), int(best[1])
+
+
+class TraceCache:
+    """Whole-model traces, one file per key in ``folder`` (:class:`launchers.json_cache.KeyedJsonStore`; None:
+    kept in this instance only). Each new trace is written at once, so an interrupted study keeps what it
+    traced; failures are cached too, with their reason. ``study_folder``: where an entry point's module sits
+    (put first on the import path to find, hash and trace it, as trials put it on their PYTHONPATH)."""
+
+    def __init__(self, folder: Path | None, *, study_folder: Path | None = None) -> None:
+        self.store = KeyedJsonStore(folder)
+        self.study_folder = study_folder
+        self._code: dict[str | None, dict[str, str | int | None]] = {}
+
+    @classmethod
+    def shared(cls, *, study_folder: Path | None = None) -> TraceCache:
+        """The cache in dsopt's cache folder: ``cache_dir()/traces``."""
+        return cls(cache_dir() / "traces", study_folder=study_folder)
+
+    @property
+    def folder(self) -> Path | None:
+        return self.store.folder
+
+    def code(self, model_spec: Mapping[str, Any]) -> dict[str, str | int | None]:
+        """The code a trace of ``model_spec`` runs, for its key: torch's version, transformers' for a model built by
+        code (``hf_config``, ``entry_point``), the source of :data:`TRACE_CODE` and of the entry point's module."""
+        entry_point = model_spec.get("entry_point")
+        if entry_point not in self._code:
+            versions = installed_versions()  # importlib.metadata: nothing is imported
+            code: dict[str, str | int | None] = {"torch": versions["torch"], "format": ENTRY_FORMAT,
+                                                 "dsopt_trace_code": source_digest(TRACE_CODE)}
+            if model_spec.get("hf_config") or entry_point:
+                code["transformers"] = versions["transformers"]
+            if entry_point:
+                code["entry_point_source"] = source_digest([str(entry_point).partition(":")[0]],
+                                                           folder=self.study_folder)
+            self._code[entry_point] = code
+        return self._code[entry_point]
+
+    def key(self, *, model_spec: Mapping[str, Any], parameters: int | None, checkpointing: str,
+            precision: Precision, micro_batch: int, sequence_length: int) -> str:
+        """:func:`trace_key` of these arguments."""
+        return trace_key(model_spec=model_spec, checkpointing=checkpointing, precision=precision,
+                         micro_batch=micro_batch, sequence_length=sequence_length, parameters=parameters,
+                         code=self.code(model_spec))
+
+    def holds(self, **kwargs: Any) -> bool:
+        """:meth:`entry` of these arguments is cached (reading it will not trace)."""
+        return _usable(self.store.get(self.key(**kwargs)))
+
+    def entry(self, *, model_spec: dict[str, Any], parameters: int | None, checkpointing: str, precision: Precision,
+              micro_batch: int, sequence_length: int) -> dict[str, Any]:
+        """The stored trace of the whole model, ``{"ok": bool, "result": TraceResult or TraceFailure as a dict}``:
+        from the cache, else traced now — from two shallow copies where they extend to ``parameters``
+        (:func:`launchers.trace_depth.trace_by_depth`), else at full depth — and stored."""
+        kwargs = {"checkpointing": checkpointing, "precision": precision, "micro_batch": micro_batch,
+                  "sequence_length": sequence_length}
+        key = self.key(model_spec=model_spec, parameters=parameters, **kwargs)
+        found = self.store.get(key)
+        if _usable(found):
+            return found
+        from launchers.inventory import importable_from
+        from launchers.trace import TraceResult, trace
+        from launchers.trace_depth import trace_by_depth
+
+        with importable_from(self.study_folder):
+            result = trace_by_depth(lambda spec: trace(model_spec=spec, **kwargs), model_spec=model_spec,
+                                    checkpointing=checkpointing, parameters=parameters)
+        found = {"ok": isinstance(result, TraceResult), "result": asdict(result)}
+        self.store.put(key, found)
+        return found
+
+    def trace_model(self, **kwargs: Any) -> TraceResult | TraceFailure:
+        """:meth:`entry` as a :class:`launchers.trace.TraceResult` or :class:`launchers.trace.TraceFailure`."""
+        return _typed(self.entry(**kwargs))
+
+
+def cached_trace(*, cache: TraceCache | None, model_spec: dict[str, Any], checkpointing: str, precision: Precision,
                  micro_batch: int, sequence_length: int) -> TraceResult | TraceFailure:
-    """:func:`trace`, cached in the JSON file ``cache`` (:class:`TraceCache`); None: no cache."""
-    return TraceCache(cache).trace(model_spec=model_spec, checkpointing=checkpointing, precision=precision,
-                                   micro_batch=micro_batch, sequence_length=sequence_length)
+    """:func:`launchers.trace.trace` of the model at its full depth, cached in ``cache`` (None: not stored)."""
+    store = cache if cache is not None else TraceCache(None)
+    return store.trace_model(model_spec=model_spec, parameters=None, checkpointing=checkpointing,
+                             precision=precision, micro_batch=micro_batch, sequence_length=sequence_length)
 
 
-def traced_activation(*, cache: TraceCache | Path | None, model_spec: dict[str, Any], checkpointing: str,
+def traced_activation(*, cache: TraceCache | None, model_spec: dict[str, Any], checkpointing: str,
                       precision: Precision, sequence_length: int, micro_batches: tuple[int, ...],
                       parameters: int | None = None) -> TracedActivation:
-    """The ledger's entry: a trace at each of ``micro_batches`` (:class:`optimizer.study.specs.TracedActivation`),
-    from shallow copies of the model when they extend to its ``parameters`` (:meth:`TraceCache.trace_model`)."""
-    store = cache if isinstance(cache, TraceCache) else TraceCache(cache)
+    """The ledger's entry: the whole model's trace at each of ``micro_batches``
+    (:class:`optimizer.study.traced_activation.TracedActivation`), from shallow copies of the model when they
+    extend to its ``parameters`` (:meth:`TraceCache.entry`); ``cache`` None: not stored."""
+    store = cache if cache is not None else TraceCache(None)
     points, joints, splits, phase, notes, zero3 = [], [], [], "backward", (), 0
     for micro_batch in sorted(set(micro_batches)):
-        result = store.trace_model(model_spec=model_spec, parameters=parameters, checkpointing=checkpointing,
-                                   precision=precision, micro_batch=micro_batch, sequence_length=sequence_length)
-        if isinstance(result, TraceFailure):
-            return TracedActivation(checkpointing=checkpointing, precision=precision, failed_op=result.op)
-        points.append((micro_batch, result.activation_peak_bytes))
-        joints.append((micro_batch, *joint_peak(result.joint_segments)))
-        splits.append((micro_batch, max(result.ungraded_segments, default=0), max(result.graded_segments, default=0)))
-        phase, notes, zero3 = result.peak_phase, result.notes, max(zero3, result.zero3_gathered_elements)
+        entry = store.entry(model_spec=model_spec, parameters=parameters, checkpointing=checkpointing,
+                            precision=precision, micro_batch=micro_batch, sequence_length=sequence_length)
+        result = entry["result"]
+        if not entry["ok"]:
+            return TracedActivation(checkpointing=checkpointing, precision=precision, failed_op=result["op"])
+        points.append((micro_batch, result["activation_peak_bytes"]))
+        joints.append((micro_batch, *_joint_peak(result["joint_segments"])))
+        splits.append((micro_batch, max(result["ungraded_segments"], default=0),
+                       max(result["graded_segments"], default=0)))
+        phase, notes = result["peak_phase"], tuple(result["notes"])
+        zero3 = max(zero3, result["zero3_gathered_elements"])
     return TracedActivation(checkpointing=checkpointing, precision=precision, points=tuple(points), peak_phase=phase,
                             joint_points=tuple(joints), split_points=tuple(splits), notes=notes,
                             zero3_gathered=zero3)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity: a SLURM or container allotment), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity on this platform (macOS)
+        return max(1, os.cpu_count() or 1)
+
+
+def _traced_entry(study_folder: Path | None, job: dict[str, Any]) -> dict[str, Any]:
+    """One :meth:`TraceCache.entry` in a worker process, not stored there (the parent stores it)."""
+    return TraceCache(None, study_folder=study_folder).entry(**job)
+
+
+def fill(cache: TraceCache, jobs: Sequence[dict[str, Any]], *, workers: int | None = None) -> None:
+    """Trace ``jobs`` (:meth:`TraceCache.entry` arguments) into ``cache``: in up to ``workers`` processes (default
+    :func:`usable_cpus`) when there are several — each trace is one Python thread of dispatch, so separate
+    processes are what runs them side by side; a worker starts fresh (``spawn``) and imports torch itself."""
+    count = min(len(jobs), workers or usable_cpus())
+    if count < 2:
+        for job in jobs:
+            cache.entry(**job)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")  # never fork a process that may hold torch's threads
+    with ProcessPoolExecutor(max_workers=count, mp_context=context) as pool:
+        entries = pool.map(_traced_entry, [cache.study_folder] * len(jobs), jobs)
+        for job, entry in zip(jobs, entries, strict=True):
+            cache.store.put(cache.key(**job), entry)
 
 
 def traceable_options(study: StudySpec) -> list[tuple[str, Precision]]:
@@ -110,11 +245,31 @@ def traced_micro_batches(study: StudySpec) -> tuple[int, ...]:
     return tuple(sorted({study.training.micro_batch_size, *(int(b) for b in values.get("micro_batch_size", ()))}))
 
 
-def with_traced_activations(study: StudySpec, *, warn: Callable[[str], None] | None = None) -> StudySpec:
+def needed_traces(study: StudySpec, *, candidates: Sequence[Candidate] | None = None
+                  ) -> dict[tuple[str, Precision], tuple[int, ...]]:
+    """The micro-batches to trace per (checkpointing, precision): with ``candidates``, those the valid ones use
+    (an invalid candidate has no ledger); else every micro-batch of the space for each
+    :func:`traceable_options` pair."""
+    if candidates is None:
+        micro_batches = traced_micro_batches(study)
+        return {option: micro_batches for option in traceable_options(study)}
+    needed: dict[tuple[str, Precision], set[int]] = {}
+    for candidate in candidates:
+        if not invalid_reasons(candidate=candidate, model=study.model, hardware=study.hardware,
+                               training=study.training):
+            option = (str(candidate.checkpointing), candidate.precision)
+            needed.setdefault(option, set()).add(candidate.micro_batch_size)
+    return {option: tuple(sorted(batches)) for option, batches in needed.items()}
+
+
+def with_traced_activations(study: StudySpec, *, candidates: Sequence[Candidate] | None = None,
+                            warn: Callable[[str], None] | None = None) -> StudySpec:
     """The study with its model's ``traced_activations`` filled when it asks for ``activations: trace`` or
-    ``auto`` (the default; cached in ``studies/NAME/traces.json``); each failed trace is reported through
-    ``warn`` (default: one line on stderr) naming the op, and the ledger uses the formula there. Other studies
-    come back as they are.
+    ``auto`` (the default), cached in dsopt's cache folder (:class:`TraceCache`). With ``candidates`` only what
+    they need is traced (:func:`needed_traces`: one (checkpointing, precision, micro-batch) for one ``--set``),
+    and the table holds nothing else — the ledger of each of them equals its ledger from the whole space's table;
+    without, the whole search space. Each failed trace is reported through ``warn`` (default: one line on
+    stderr) naming the op, and the ledger uses the formula there. Other studies come back as they are.
     """
     from launchers.trial import model_dict
     from optimizer.ledger.transformer import parameter_count
@@ -124,21 +279,21 @@ def with_traced_activations(study: StudySpec, *, warn: Callable[[str], None] | N
         return study
     say = warn or (lambda line: print(line, file=sys.stderr))
     spec = model_dict(model)
-    cache = TraceCache(study.output_dir / "traces.json")
-    micro_batches = traced_micro_batches(study)
-    options = traceable_options(study)
+    cache = TraceCache.shared(study_folder=study.path.parent.resolve())
+    needed = needed_traces(study, candidates=candidates)
     parameters = parameter_count(model)
-    missing = sum(not cache.holds_model(model_spec=spec, parameters=parameters, checkpointing=c, precision=p,
-                                        micro_batch=b, sequence_length=study.training.sequence_length)
-                  for c, p in options for b in micro_batches)
-    if missing:
-        say(f"dsopt: tracing the model on fake tensors: {missing} (checkpointing, precision, micro-batch) "
-            f"combinations, seconds each; cached in {cache.path}")
+    seq = study.training.sequence_length
+    jobs = [job for (c, p), batches in needed.items() for b in batches
+            for job in [{"model_spec": spec, "parameters": parameters, "checkpointing": c, "precision": p,
+                         "micro_batch": b, "sequence_length": seq}] if not cache.holds(**job)]
+    if jobs:
+        say(f"dsopt: tracing the model on fake tensors: {len(jobs)} (checkpointing, precision, micro-batch) "
+            f"combinations, seconds each; cached in {cache.folder}")
+        fill(cache, jobs)
     table = []
-    for checkpointing, precision in options:
+    for (checkpointing, precision), batches in needed.items():
         entry = traced_activation(cache=cache, model_spec=spec, checkpointing=checkpointing, precision=precision,
-                                  sequence_length=study.training.sequence_length, micro_batches=micro_batches,
-                                  parameters=parameters)
+                                  sequence_length=seq, micro_batches=batches, parameters=parameters)
         if entry.failed_op is not None:
             say(f"warning: {study.path}: model.activations: {model.activations}: trace failed for "
                 f"checkpointing={checkpointing} precision={precision} at {entry.failed_op}; the ledger uses the "
@@ -147,17 +302,18 @@ def with_traced_activations(study: StudySpec, *, warn: Callable[[str], None] | N
     return dataclasses.replace(study, model=dataclasses.replace(model, traced_activations=tuple(table)))
 
 
-def trace_rows(*, study: StudySpec, cache: Path | None = None) -> list[dict[str, Any]]:
+def trace_rows(*, study: StudySpec, cache: TraceCache | Path | None = None) -> list[dict[str, Any]]:
     """One row per (checkpointing, precision) of the study's space at its baseline micro-batch: the trace
     beside the formula, split into what the blocks keep and what is kept outside them (embeddings, final
-    norm, logits, loss)."""
+    norm, logits, loss). ``cache``: None (or a path, the per-study ``traces.json`` of before the shared cache
+    folder, which callers still passing one mean) — the shared cache (:meth:`TraceCache.shared`)."""
     from launchers.trial import model_dict
     from optimizer.ledger.transformer import activation_estimate, head_terms, parameter_count
 
     model = study.model
     spec = model_dict(model)
     mbs, seq = study.training.micro_batch_size, study.training.sequence_length
-    store = TraceCache(cache)
+    store = cache if isinstance(cache, TraceCache) else TraceCache.shared(study_folder=study.path.parent.resolve())
     rows = []
     for checkpointing, precision in traceable_options(study):
         size = 4 if precision is Precision.FP32 else 2
@@ -168,12 +324,13 @@ def trace_rows(*, study: StudySpec, cache: Path | None = None) -> list[dict[str,
             "checkpointing": checkpointing, "precision": str(precision), "micro_batch": mbs,
             "formula_bytes": formula.total_bytes, "formula_blocks_stored_bytes": formula.stored_bytes - head,
             "formula_outside_blocks_bytes": head, "formula_parameters": parameter_count(model)}
-        result = store.trace_model(model_spec=spec, parameters=parameter_count(model), checkpointing=checkpointing,
-                                   precision=precision, micro_batch=mbs, sequence_length=seq)
-        if isinstance(result, TraceFailure):
-            row.update(source="formula (trace failed)", failure=asdict(result))
+        entry = store.entry(model_spec=spec, parameters=parameter_count(model), checkpointing=checkpointing,
+                            precision=precision, micro_batch=mbs, sequence_length=seq)
+        result = entry["result"]
+        if not entry["ok"]:
+            row.update(source="formula (trace failed)", failure=dict(result))
         else:
-            row.update(source="trace", **asdict(result),
-                       outside_blocks_bytes=result.stored_bytes - result.blocks_stored_bytes)
+            row.update(source="trace", **result,
+                       outside_blocks_bytes=result["stored_bytes"] - result["blocks_stored_bytes"])
         rows.append(row)
     return rows

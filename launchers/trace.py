@@ -16,15 +16,13 @@ are rounded up to 512 bytes per storage as CUDA's caching allocator does (MemTra
 
 A model that cannot be traced — a data-dependent shape, an op without a fake implementation, a missing
 package — gives a :class:`TraceFailure` naming the op, and callers fall back to the formula; tracing never
-crashes a study. Results are cached per (model, shape, granularity, precision, micro-batch, torch version)
-in ``studies/NAME/traces.json``.
+crashes a study. Results are cached by :mod:`launchers.study_traces`, keyed by content (the model, the step's
+shape, the library versions and this module's own source: an edit here traces again).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -38,8 +36,6 @@ from optimizer.ledger.zero3_gather import gathered
 from optimizer.study.knobs import Precision
 
 DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
-TRACE_FORMAT = 6
-"""Bumped when :class:`TraceResult` changes, so older cache entries are traced again."""
 WORKING_KINDS = ("Activation", "Temp")
 """MemTracker kinds that are activations (as opposed to parameters, buffers, gradients, optimizer states)."""
 
@@ -236,15 +232,6 @@ def _block_growth(tracker: Any, block: nn.Module) -> int:
     if stats is None or _ModState.PRE_FW not in stats.snapshots or _ModState.POST_FW not in stats.snapshots:
         return 0
     return _working(stats.snapshots[_ModState.POST_FW][0]) - _working(stats.snapshots[_ModState.PRE_FW][0])
-
-
-def trace_key(*, model_spec: dict[str, Any], checkpointing: str, precision: Precision, micro_batch: int,
-              sequence_length: int) -> str:
-    """A cache key of everything that determines a trace."""
-    payload = {"model": model_spec, "checkpointing": checkpointing, "precision": str(precision),
-               "micro_batch": micro_batch, "seq": sequence_length, "torch": torch.__version__,
-               "format": TRACE_FORMAT}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precision, micro_batch: int,

@@ -1,8 +1,9 @@
-"""Shared fixtures: the repository's study files."""
+"""Shared fixtures: the repository's study files, and dsopt's cache folder in a temporary folder."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,3 +28,14 @@ def tiny(tmp_path) -> StudySpec:
     """studies/cpu-tiny.yaml copied into the test's folder (its outputs land there), loaded."""
     shutil.copy(ROOT / "studies" / "cpu-tiny.yaml", tmp_path / "cpu-tiny.yaml")
     return load_study(tmp_path / "cpu-tiny.yaml")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def dsopt_cache_dir(tmp_path_factory) -> Iterator[Path]:
+    """dsopt's cache folder (traces, inventories: launchers/cache_dir.py) in a temporary folder for the session,
+    so tests never read or fill the user's ~/.cache and a fresh CI machine runs them the same; subprocesses
+    inherit it. A test that needs a cold cache sets DSOPT_CACHE_DIR to its own tmp_path."""
+    folder = tmp_path_factory.mktemp("dsopt-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DSOPT_CACHE_DIR", str(folder))
+        yield folder

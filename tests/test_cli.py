@@ -91,8 +91,9 @@ def test_user_mistakes_exit_2_with_one_line(capsys, seed_study_path, argv, needl
 
 
 def test_a_baseline_the_study_rules_out_is_blamed_on_the_study_not_on_set(capsys, repo_root, tmp_path):
-    # model_init: zero_init needs stage 3, so the default (stage-0) candidate is invalid: without --set, the error
-    # names the study file and says what to do; with --set zero_stage=3 the same study prints its ledger.
+    # model_init: zero_init needs stage 3, so the default (stage-0) candidate is invalid: a trial without --set
+    # names the study file and says what to do (before anything is built); the plan needs no valid baseline, and
+    # with --set zero_stage=3 the same study prints that candidate's ledger.
     import yaml
 
     raw = yaml.safe_load((repo_root / "studies" / "cpu-tiny.yaml").read_text())
@@ -100,10 +101,15 @@ def test_a_baseline_the_study_rules_out_is_blamed_on_the_study_not_on_set(capsys
     raw["search_space"] = {"knobs": {"zero_stage": [3]}}
     path = tmp_path / "zero-init.yaml"
     path.write_text(yaml.safe_dump(raw))
-    code, out, err = run(capsys, "ledger", str(path))
+    code, out, err = run(capsys, "trial", str(path))
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert str(path) in err and "baseline" in err and "--set" in err and "zero_init" in err
     assert not err.startswith("dsopt: --set")
+    code, out, _ = run(capsys, "ledger", str(path), "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["valid"] is False and any("zero_init" in r for r in data["reasons"])
+    assert data["plan"]["counts"]["fits"] >= 1
     code, out, _ = run(capsys, "ledger", str(path), "--set", "zero_stage=3")
     assert code == 0
     assert "model construction priced in the init phase: zero_init (training.model_init: zero_init)" in out

@@ -154,7 +154,13 @@ def _entry_point_study(tmp_path: Path, *, entry_point: str, module: str = "extra
     return path
 
 
+def _inventory_entries(folder: Path) -> list[Path]:
+    """The inventory cache's entries in the cache folder ``folder`` (launchers/cache_dir.py)."""
+    return sorted((folder / "inventory").glob("*.json"))
+
+
 def test_an_entry_points_own_modules_are_counted(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path / "cache"))
     study = load_study(_entry_point_study(tmp_path, entry_point="extra_workload:workload"))
     counted = with_inventory(study)
     inventory = counted.model.inventory
@@ -162,14 +168,15 @@ def test_an_entry_points_own_modules_are_counted(tmp_path, monkeypatch, capsys):
     adapter = study.model.hidden_size * 1000 + 1000
     assert parameter_count(counted.model) == parameter_count(study.model) + adapter  # the layout misses it
     assert inventory.largest_module() == ("adapter", adapter)  # and ZeRO-3 gathers it whole
-    assert (study.output_dir / "inventory.json").exists()
+    assert len(_inventory_entries(tmp_path / "cache")) == 1  # in the cache folder, not beside the study
+    assert not study.output_dir.exists()
     # dsopt ledger prints the inventory and counts from it
     assert main(["ledger", str(study.path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["parameters"] == parameter_count(counted.model)
     assert out["inventory"]["model_class"] == "WithAdapter"
     assert out["inventory"]["largest_module"] == {"name": "adapter", "elements": adapter}
-    assert main(["ledger", str(study.path)]) == 0
+    assert main(["ledger", str(study.path), "--set", "precision=fp32"]) == 0  # one candidate's itemised ledger
     text = capsys.readouterr().out
     assert "meta-parameter build of entry point extra_workload:workload" in text
     assert f"largest module (ZeRO-3 gathers it whole): adapter — {adapter:,} elements" in text
@@ -187,12 +194,13 @@ def test_the_inventory_is_cached_per_model_and_versions(tmp_path, monkeypatch):
 
 
 def test_a_model_that_cannot_be_built_on_fake_tensors_keeps_the_layout_with_one_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path / "cache"))
     study = load_study(_entry_point_study(tmp_path, entry_point="extra_workload:needs_values"))
     said = []
     kept = with_inventory(study, warn=said.append)
     assert kept.model.inventory is None and parameter_count(kept.model) == parameter_count(study.model)
     assert len(said) == 1 and str(study.path) in said[0] and "shape's layout" in said[0]
-    assert not (study.output_dir / "inventory.json").exists()  # a failure is not cached: fix the code, run again
+    assert not _inventory_entries(tmp_path / "cache")  # a failure is not cached: fix the code, run again
 
 
 def test_the_inventory_round_trips_and_compares_by_content():
@@ -225,8 +233,9 @@ def test_shape_only_studies_with_the_formula_keep_the_ledger_free_of_torch(tmp_p
     assert torch is not None
 
 
-def test_a_transformers_config_the_library_cannot_build_is_one_line_exit_2(tmp_path, capsys):
+def test_a_transformers_config_the_library_cannot_build_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
     pytest.importorskip("transformers")
+    monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path / "cache"))
     config = json.loads((ROOT / "studies" / "llama-tiny-cpu.config.json").read_text()) | {"pad_token_id": 4096}
     (tmp_path / "bad.config.json").write_text(json.dumps(config))  # a padding row past the vocabulary
     raw = yaml.safe_load((ROOT / "studies" / "llama-tiny-cpu.yaml").read_text())
@@ -237,7 +246,7 @@ def test_a_transformers_config_the_library_cannot_build_is_one_line_exit_2(tmp_p
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
     assert str(path) in captured.err and "model.hf_config" in captured.err and "cannot build" in captured.err
-    assert not (tmp_path / "llama-tiny-cpu" / "inventory.json").exists()
+    assert not _inventory_entries(tmp_path / "cache")
 
 
 def test_an_entry_points_own_tie_is_counted_once_and_its_prints_stay_off_stdout(tmp_path, capsys):

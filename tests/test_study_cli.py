@@ -32,10 +32,11 @@ def test_empty_space_after_validation(tmp_path, capsys):
 
 def test_unreachable_storage_names_it_without_the_password(tmp_path, capsys):
     path = _study(tmp_path)
-    for url in ("sqlite:////no/such/folder/study.db", "postgresql+psycopg://dsopt:s3cret@127.0.0.1:9/dsopt"):
+    for url, why in (("sqlite:////no/such/folder/study.db", "folder /no/such/folder does not exist"),
+                     ("postgresql+psycopg://dsopt:s3cret@127.0.0.1:9/dsopt", "cannot open the study storage")):
         assert main(["study", "run", str(path), "--storage", url]) == 2
         err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and "cannot open the study storage" in err
+        assert len(err.splitlines()) == 1 and why in err, err
         assert "s3cret" not in err
     assert not (tmp_path / "bad").exists()
 

@@ -218,3 +218,62 @@ def test_an_unquoted_time_is_not_silently_a_base_60_number(tmp_path):
         load_study(_write(tmp_path, GOOD + "slurm:\n  time: 12:00:00\n"))
     assert "line 23" in info.value.why and "base-60" in info.value.why and '"12:00:00"' in info.value.why
 
+
+
+# --- memory keys need a unit (issue 23): a bare number would be bytes, and the error would blame another key ---
+
+@pytest.mark.parametrize(("old", "new", "key", "fix"), [
+    ("  gpu_memory: 8 GiB\n", "  gpu_memory: 80\n", "hardware.gpu_memory",
+     '80 has no unit; write "80 GiB" (2^30 bytes) or "80 GB" (10^9 bytes)'),
+    ("  gpu_memory: 8 GiB\n", "  gpu_memory: 8 GiB\n  device_reserve: 1\n", "hardware.device_reserve",
+     '1 has no unit; write "1 GiB"'),
+    ("  host_memory: 24 GiB\n", "  host_memory: 24.5\n", "hardware.host_memory", '24.5 has no unit; write "24.5 GiB"'),
+    ("  host_memory: 24 GiB\n", "  host_memory: '256'\n", "hardware.host_memory", '256 has no unit'),
+    ("  host_memory: 24 GiB\n", "  host_memory: 24 GiB\n  nvme_path: /x\n  nvme_capacity: 3.84e12\n",
+     "hardware.nvme_capacity", 'or "3.84e12 B" for bytes'),
+    ("  gpus_per_node: 2\n", "  gpus_per_node: 2\n  nvme_bandwidth: 6\n", "hardware.nvme_bandwidth",
+     "a bandwidth with its unit such as '50 GB/s'"),
+    ("  gpus_per_node: 2\n", "  gpus_per_node: 2\n  inter_node_bandwidth: 25 GB\n", "hardware.inter_node_bandwidth",
+     "a bandwidth with its unit"),
+])
+def test_a_memory_key_without_unit_is_refused_with_the_fix(tmp_path, old, new, key, fix):
+    with pytest.raises(UserError) as info:
+        load_study(_write(tmp_path, GOOD.replace(old, new, 1)))
+    assert info.value.key == key and fix in info.value.why
+
+
+SEED = """
+model:
+  kind: seed
+  parameters: 1e9
+  activation_bytes: {none: 8 GB, full: 3 GB}
+  buffer_bytes: 2 GB
+hardware: {accelerator: cpu, gpus_per_node: 2, gpu_memory: 24 GB}
+training: {global_batch_size: 16, micro_batch_size: 4, sequence_length: 1024}
+search_space: {knobs: {zero_stage: [0]}}
+"""
+
+
+@pytest.mark.parametrize(("old", "new", "key"), [
+    ("buffer_bytes: 2 GB", "buffer_bytes: 2000000000", "model.buffer_bytes"),
+    ("full: 3 GB", "full: 3", "model.activation_bytes"),
+])
+def test_seed_mode_byte_figures_need_a_unit(tmp_path, old, new, key):
+    with pytest.raises(UserError) as info:
+        load_study(_write(tmp_path, SEED.replace(old, new)))
+    assert info.value.key == key and "has no unit" in info.value.why
+
+
+def test_zero_needs_no_unit(tmp_path):
+    text = SEED.replace("buffer_bytes: 2 GB", "buffer_bytes: 0")
+    assert load_study(_write(tmp_path, text)).model.buffer_bytes == 0
+    cuda = GOOD.replace("accelerator: cpu", "accelerator: cuda").replace("  gpu_memory: 8 GiB\n",
+                                                                          "  gpu_memory: 8 GiB\n  device_reserve: 0\n")
+    hardware = load_study(_write(tmp_path, cuda)).hardware
+    assert hardware.device_reserve_bytes == 0 and hardware.device_reserve_stated
+
+
+def test_the_seed_study_states_its_zero_reserve_and_overhead(repo_root):
+    hardware = load_study(repo_root / "studies" / "seed-1b-2x24gb.yaml").hardware
+    assert (hardware.device_reserve_bytes, hardware.allocator_overhead) == (0, 0.0)
+    assert hardware.device_reserve_stated and hardware.allocator_overhead_stated and not hardware.binary_units

@@ -9,6 +9,7 @@ import pytest
 
 from optimizer.ledger.transformer import parameter_count
 from optimizer.perf.calibration import MemorySample, TimeSample, fit_rates, memory_factor
+from optimizer.perf.hardware_profiles import profile_named
 from optimizer.perf.throughput import FEATURES, Rates, predict, predict_candidate, profile_rates, work
 from optimizer.study.knobs import with_knobs
 from optimizer.study.specs import baseline_candidate
@@ -21,7 +22,7 @@ LLAMA_2_7B_PARAMETERS = 6_738_415_616  # published (Hugging Face model card); te
 @pytest.fixture(scope="module")
 def llama():
     study = load_study(ROOT / "studies" / "llama-7b-8xh100.yaml")
-    return replace(study, hardware=replace(study.hardware, profile="h100-80gb"))
+    return replace(study, hardware=replace(study.hardware, profile=profile_named("h100-80gb")))
 
 
 def _work(study, **knobs):

@@ -4,17 +4,16 @@ model, the cache, and the traced figures in the ledger with their source named."
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from launchers.study_traces import cached_trace, traced_activation, with_traced_activations
+from launchers.study_traces import TraceCache, cached_trace, traced_activation, with_traced_activations
 from launchers.trace import TraceFailure, TraceResult, trace
 from launchers.trial import model_dict
 from optimizer.cli import main
-from optimizer.ledger.core import compute_ledger
+from optimizer.ledger.core import compute_ledger, evaluate
 from optimizer.ledger.report import ledger_json
 from optimizer.ledger.transformer import activation_estimate, head_terms, largest_layer_parameters, parameter_count
 from optimizer.study.knobs import Precision, parse_checkpointing, with_knobs
@@ -104,14 +103,14 @@ def test_the_high_water_mark_is_in_backward_and_orders_the_granularities(study):
 
 
 def test_every_micro_batch_of_the_space_is_traced(study, tmp_path):
-    cache = tmp_path / "traces.json"
+    cache = TraceCache(tmp_path / "traces")
     entry = traced_activation(cache=cache, model_spec=model_dict(study.model), checkpointing="full",
                               precision=Precision.FP32, sequence_length=64, micro_batches=(1, 2, 4))
     assert [b for b, _ in entry.points] == [1, 2, 4]
     direct = _trace(study.model, checkpointing="full", mbs=4)
     assert entry.bytes_at(4) == direct.activation_peak_bytes
     assert entry.bytes_at(1) < entry.bytes_at(3) < entry.bytes_at(4)  # joined between traced points
-    assert len(json.loads(cache.read_text())) == 3
+    assert len(list((tmp_path / "traces").glob("*.json"))) == 3  # one file per micro-batch
 
 
 def test_a_transformers_llama_differs_from_the_gpt_formula_as_its_architecture_says(llama):
@@ -130,16 +129,18 @@ def test_an_untraceable_model_falls_back_with_the_op_named(study, tmp_path, monk
     untraceable = replace(study.model, entry_point="untraceable_workload:workload")
     result = _trace(untraceable)
     assert isinstance(result, TraceFailure) and "nonzero" in result.op
-    cache = tmp_path / "traces.json"
+    cache = TraceCache(tmp_path / "traces")
     kwargs = {"model_spec": model_dict(untraceable), "checkpointing": "none", "precision": Precision.FP32,
               "micro_batch": 2, "sequence_length": 64}
     assert isinstance(cached_trace(cache=cache, **kwargs), TraceFailure)
-    assert "nonzero" in cache.read_text()
-    assert isinstance(cached_trace(cache=cache, **kwargs), TraceFailure)  # from the cache
+    (stored,) = (tmp_path / "traces").glob("*.json")
+    assert "nonzero" in stored.read_text()
+    assert isinstance(cached_trace(cache=TraceCache(tmp_path / "traces"), **kwargs), TraceFailure)  # from the file
 
 
 def test_a_failed_trace_warns_and_the_ledger_says_formula(study, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path / "cache"))  # cold: every combination is counted
     model = replace(study.model, entry_point="untraceable_workload:workload", activations=ActivationSource.TRACE)
     spec = dataclasses.replace(study, model=model, path=tmp_path / "s.yaml")
     warnings: list[str] = []
@@ -171,20 +172,51 @@ def test_the_ledger_takes_traced_activations_and_names_the_source(llama, tmp_pat
     assert ledger_json(seed_ledger)["activation_source"] == "study"
 
 
-def test_dsopt_trace_prints_trace_beside_formula(tmp_path, capsys):
+def test_dsopt_trace_prints_trace_beside_formula(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path / "cache"))
     study_file = tmp_path / "t.yaml"
     study_file.write_text((ROOT / "studies" / "cpu-tiny.yaml").read_text().replace(
         "checkpointing: [none, full, every_2, selective]", "checkpointing: [none, full]"))
     assert main(["trace", str(study_file)]) == 0
     out = capsys.readouterr().out
     assert out.count("| none |") == 2 and out.count("| full |") == 2 and "backward" in out
-    assert (tmp_path / "cpu-tiny" / "traces.json").exists()
+    assert len(list((tmp_path / "cache" / "traces").glob("*.json"))) == 4  # (none, full) x (fp32, bf16)
+    assert not (tmp_path / "cpu-tiny").exists()  # nothing beside the study
 
 
-def test_dsopt_ledger_traces_when_the_study_asks(tmp_path, capsys):
+def test_dsopt_ledger_traces_when_the_study_asks(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path / "cache"))
     for name in ("llama-tiny-cpu.yaml", "llama-tiny-cpu.config.json"):
         (tmp_path / name).write_text((ROOT / "studies" / name).read_text())
     assert main(["ledger", str(tmp_path / "llama-tiny-cpu.yaml"), "--all"]) == 0
     out = capsys.readouterr().out
     assert " trace " in out and "formula" not in out
-    assert (tmp_path / "llama-tiny-cpu" / "traces.json").exists()
+    assert list((tmp_path / "cache" / "traces").glob("*.json"))
+    assert not (tmp_path / "llama-tiny-cpu").exists()
+
+
+def test_one_candidates_table_gives_the_ledger_the_whole_spaces_table_gives(llama, tmp_path, monkeypatch):
+    # `dsopt ledger --set ...` traces only the candidate's (checkpointing, precision, micro-batch); its table then
+    # holds one point where the whole space's holds every micro-batch: the ledger must not see the difference
+    monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path / "cache"))
+    spec = dataclasses.replace(llama, path=tmp_path / "llama-tiny-cpu.yaml")
+    candidates = list(spec.search_space.candidates(baseline_candidate(spec.training)))
+    one = with_knobs(baseline_candidate(spec.training), {"checkpointing": "every_2", "precision": "bf16",
+                                                         "micro_batch_size": 2})
+    said: list[str] = []
+    alone = with_traced_activations(spec, candidates=[one], warn=said.append)  # cold: one combination
+    assert said == [f"dsopt: tracing the model on fake tensors: 1 (checkpointing, precision, micro-batch) "
+                    f"combinations, seconds each; cached in {tmp_path / 'cache' / 'traces'}"]
+    (table,) = alone.model.traced_activations
+    assert (table.checkpointing, table.precision, [b for b, _ in table.points]) == ("every_2", Precision.BF16, [2])
+    whole = with_traced_activations(spec, warn=said.append)
+    assert len(said) == 2 and ": 17 (checkpointing" in said[1]  # 3 x 2 x 3 less the one already traced
+    assert {b for t in whole.model.traced_activations for b, _ in t.points} == {1, 2, 4}
+    checked = 0
+    for candidate in candidates:
+        alone = with_traced_activations(spec, candidates=[candidate], warn=said.append)  # warm: traces nothing
+        verdicts = [evaluate(candidate=candidate, model=s.model, hardware=spec.hardware, training=spec.training)
+                    for s in (alone, whole)]
+        assert verdicts[0] == verdicts[1], candidate.label()
+        checked += verdicts[0].ledger is not None
+    assert len(said) == 2 and checked == len(candidates) == 36

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from launchers.orphan_guard import die_with_parent
 from launchers.workloads.builtin import build_workload
 from launchers.workloads.cpu_memory import LivePeaks, start_cpu_profiler, stop_cpu_profiler
+from launchers.workloads.device_identity import device_identity
 from optimizer.results.loss_scaling import StepKind, min_loss_scale, skip_allowance, step_kind
 from optimizer.results.trial_result import INIT_STOP, OVER_BUDGET, StopAbove
 
@@ -334,6 +335,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
         "stopped_at": stopped_at,
         "over_limit": over,
         "device": "cuda" if cuda else "cpu",
+        **device_identity(cuda=cuda),  # device_name, device_total_bytes: None on CPU ranks
         "construction": construction,
         "built_partitioned": built_partitioned,
         "losses": losses,
@@ -376,7 +378,8 @@ def main() -> int:
         code = 0
     except BaseException as error:  # every failure is data: classify, record, exit non-zero
         result = {"rank": rank, "status": classify(error), "error_type": type(error).__name__,
-                  "message": str(error)[-2000:], "traceback": traceback.format_exc()[-4000:]}
+                  "message": str(error)[-2000:], "traceback": traceback.format_exc()[-4000:],
+                  **device_identity(cuda=not _cpu_ranks())}
         code = 1
     tmp = out_dir / f".rank{rank}.json.tmp"
     tmp.write_text(json.dumps(result))

@@ -10,12 +10,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from optimizer.ledger.constraints import invalid_reasons
 from optimizer.ledger.transformer import parameter_count
 from optimizer.perf.throughput import StepTime, predict_candidate
 from optimizer.search.storage import load_stored
 from optimizer.study.errors import UserError
 from optimizer.study.knobs import KNOB_NAMES, Candidate, parse_knob
-from optimizer.study.specs import SeedModel, TransformerModel
+from optimizer.study.specs import SeedModel, TransformerModel, baseline_candidate
 from optimizer.study.study_file import StudySpec, load_study
 
 if TYPE_CHECKING:
@@ -57,18 +58,47 @@ def counted(study: StudySpec) -> StudySpec:
         return with_inventory(study)
     return study
 
-def prepared_study(path: str) -> StudySpec:
-    """The study file, with the parameter inventory of a ``transformers`` or entry-point model (built on fake
-    tensors, cached; one warning and the shape's layout when it cannot be built) and its model traced when it
-    says ``activations: trace`` or ``auto``, the default (cached; a failed trace warns on stderr and leaves the
-    formula in place)."""
-    study = load_study(path)
+def prepared_study(study: StudySpec, *, candidates: Sequence[Candidate] | None = None) -> StudySpec:
+    """The (already checked) study with the parameter inventory of a ``transformers`` or entry-point model (built
+    on fake tensors, cached; one warning and the shape's layout when it cannot be built) and its model traced when
+    it says ``activations: trace`` or ``auto``, the default (cached; a failed trace warns on stderr and leaves the
+    formula in place) — for ``candidates`` only when given (one ``--set``), else for the whole search space.
+
+    This is the first step that builds or writes anything: every command checks all its input before it."""
     study = counted(study)
     if isinstance(study.model, TransformerModel) and study.model.wants_trace:
         from launchers.study_traces import with_traced_activations
 
-        study = with_traced_activations(study)
+        study = with_traced_activations(study, candidates=candidates)
     return study
+
+
+def runnable_model(study: StudySpec, *, what: str) -> None:
+    """Refuse (exit 2) a seed-mode study for a command that runs or traces its model."""
+    if isinstance(study.model, SeedModel):
+        raise UserError(source=str(study.path), key="model.kind", why=f"a seed-mode model has no shape to {what}; "
+                        "this needs model.kind: transformer")
+
+
+def checked_candidate(study: StudySpec, sets: Sequence[str]) -> Candidate:
+    """The candidate of ``--set`` over the study's baseline, refused (exit 2) when it is invalid for the study —
+    checked on the study as written, before anything is built (the constraints read the model's shape only)."""
+    candidate = parse_sets(sets, base=baseline_candidate(study.training))
+    reasons = invalid_reasons(candidate=candidate, model=study.model, hardware=study.hardware,
+                              training=study.training)
+    if reasons:
+        raise invalid_candidate(study, candidate, reasons, sets=sets)
+    return candidate
+
+
+def refuse_together(args: argparse.Namespace, flag: str, *others: str, why: str) -> None:
+    """Exit 2 when ``flag`` is given with any of ``others`` (argparse attribute names, flags as typed)."""
+    if not getattr(args, flag.lstrip("-").replace("-", "_")):
+        return
+    for other in others:
+        value = getattr(args, other.lstrip("-").replace("-", "_"))
+        if value:
+            raise UserError(source=flag, key=other, why=why)
 
 def invalid_candidate(study: StudySpec, candidate: Candidate, reasons: Sequence[str], *,
                        sets: Sequence[str]) -> UserError:
@@ -109,12 +139,13 @@ def runnable_study(path: str, *, slot: WorkerSlot | None = None) -> tuple[StudyS
     """The study file and this worker's GPU slice (None: CPU ranks or whole nodes), refused (exit 2) if it
     cannot run trials here."""
     from launchers.trial import check_devices
+    from optimizer.search.space import branches
 
-    study = counted(load_study(path))  # traced by run_study, once the storage is open
-    if isinstance(study.model, SeedModel):
-        raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to run; "
-                        "studies need model.kind: transformer")
-    return study, check_devices(study, slot=slot)
+    study = load_study(path)
+    runnable_model(study, what="run")
+    gpus = check_devices(study, slot=slot)
+    branches(study)  # an empty search space is refused before the model is counted or the storage opened
+    return counted(study), gpus  # traced by run_study, once the storage is open
 
 def shared_storage(args: argparse.Namespace) -> str:
     from launchers.slurm import STORAGE_VAR

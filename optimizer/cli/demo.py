@@ -5,15 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from optimizer.cli.common import positive_int, prepared_study
+from optimizer.cli.common import positive_int, prepared_study, runnable_model
+from optimizer.study.study_file import load_study
 
 
 def run(args: argparse.Namespace) -> int:
     from launchers.demo import DEMO_STUDY, run_demo
-    from launchers.trial import ReferenceFailed
+    from launchers.trial import ReferenceFailed, check_devices
     from optimizer.results.pareto import front_table, headroom_lines
 
-    study = prepared_study(args.study or DEMO_STUDY)
+    study = load_study(args.study or DEMO_STUDY)  # checked, with its devices, before anything is built or run
+    runnable_model(study, what="run")
+    check_devices(study)
+    study = prepared_study(study)
     print(f"dsopt demo: {study.path}, {study.hardware.gpus_per_node} {study.hardware.accelerator} ranks, until "
           f"{args.n_trials} launches (the FP32 reference included)", file=sys.stderr)
     try:

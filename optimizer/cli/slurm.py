@@ -5,22 +5,22 @@ from __future__ import annotations
 import argparse
 import os
 
-from optimizer.cli.common import counted, positive_int, shared_storage
+from optimizer.cli.common import counted, positive_int, runnable_model, shared_storage
 from optimizer.search.storage import redact
-from optimizer.study.errors import UserError
-from optimizer.study.specs import SeedModel
 from optimizer.study.study_file import load_study
 
 
 def _slurm_submit(args: argparse.Namespace) -> int:
-    from launchers.slurm import STORAGE_VAR, submit
+    from launchers.slurm import STORAGE_VAR, check_submission, submit
+    from optimizer.search.space import branches
 
-    # traced by submit() once the storage is checked, so the array's workers find studies/NAME/traces.json warm
-    study = load_study(args.study) if args.dry_run else counted(load_study(args.study))
-    if isinstance(study.model, SeedModel):
-        raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to run; "
-                        "studies need model.kind: transformer")
+    study = load_study(args.study)
+    runnable_model(study, what="run")
+    branches(study)  # an empty search space: refused here, not in every array task
     storage = args.storage or os.environ.get(STORAGE_VAR)
+    if not args.dry_run:
+        check_submission(storage)  # the URL and sbatch, before the model is counted or the storage opened
+        study = counted(study)  # traced by submit() once the storage answers, so the workers start warm
     done = submit(spec=study, workers=args.workers, storage=storage, dry_run=args.dry_run)
     if done.job_id is None:
         print(done.script, end="")

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from optimizer.cli.common import positive_int, positive_seconds, progress_flags, runnable_study, shared_storage, slot
-from optimizer.search.storage import check_shared_storage, redact
+from optimizer.search.storage import check_storage_url, redact
 from optimizer.study.study_file import StudySpec
 
 
@@ -41,12 +41,14 @@ def _run(study: StudySpec, storage: str, args: argparse.Namespace, *, parallel: 
 def _study_run(args: argparse.Namespace) -> int:
     from launchers.study_run import default_storage
 
+    if args.storage:
+        check_storage_url(args.storage)  # every input is checked before the model is counted or a file written
     study, gpus = runnable_study(args.study)
     return _run(study, args.storage or default_storage(study), args, parallel=False, gpus=gpus)
 
 def _worker(args: argparse.Namespace) -> int:
     storage = shared_storage(args)
-    check_shared_storage(storage)  # before the model is counted and traced
+    check_storage_url(storage, parallel=True)  # before the model is counted and traced
     study, gpus = runnable_study(args.study, slot=args.slot)
     return _run(study, storage, args, parallel=True, gpus=gpus)
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from optimizer.cli.common import counted, inventory_json
-from optimizer.study.errors import UserError
-from optimizer.study.specs import SeedModel
+from optimizer.cli.common import counted, inventory_json, runnable_model
 from optimizer.study.study_file import load_study
 
 
@@ -15,10 +13,9 @@ def run(args: argparse.Namespace) -> int:
     from launchers.study_traces import trace_rows
 
     study = load_study(args.study)
-    if isinstance(study.model, SeedModel):
-        raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to trace")
+    runnable_model(study, what="trace")
     study = counted(study)
-    rows = trace_rows(study=study, cache=study.output_dir / "traces.json")
+    rows = trace_rows(study=study)
     if args.json:
         print(json.dumps({"study": study.name, "inventory": inventory_json(study), "rows": rows}, indent=2))
         return 0

@@ -7,12 +7,11 @@ import json
 import sys
 from dataclasses import replace
 
-from optimizer.cli.common import invalid_candidate, parse_sets, prepared_study
+from optimizer.cli.common import checked_candidate, invalid_candidate, prepared_study, runnable_model
 from optimizer.ledger.core import evaluate
 from optimizer.results.trial_report import trial_json, trial_table
 from optimizer.results.trial_result import Outcome
-from optimizer.study.errors import UserError
-from optimizer.study.specs import SeedModel, baseline_candidate
+from optimizer.study.study_file import load_study
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,16 +24,15 @@ def run(args: argparse.Namespace) -> int:
         trial_dir_for,
     )
 
-    study = prepared_study(args.study)
-    candidate = parse_sets(args.set, base=baseline_candidate(study.training))
+    study = load_study(args.study)  # every input checked before the model is counted, traced or run
+    runnable_model(study, what="run")
+    candidate = checked_candidate(study, args.set)
+    gpus = check_devices(study)
+    study = prepared_study(study)  # the whole space: the FP32 reference is the fastest FP32 variant that fits
     spec = {"model": study.model, "hardware": study.hardware, "training": study.training}
     verdict = evaluate(candidate=candidate, **spec)
-    if verdict.ledger is None:
+    if verdict.ledger is None:  # checked above; the inventory cannot make a valid candidate invalid
         raise invalid_candidate(study, candidate, verdict.invalid_reasons, sets=args.set)
-    if isinstance(study.model, SeedModel):
-        raise UserError(source=str(study.path), key="model.kind", why="a seed-mode model has no shape to run; "
-                        "trials need model.kind: transformer")
-    gpus = check_devices(study)
     reference = None
     own_reference = candidate == reference_candidate(study)
     if not own_reference:

@@ -39,10 +39,11 @@ def invalid_reasons(
         reasons.append("offload_param needs zero_stage 3 (only stage 3 partitions parameters)")
     if candidate.precision not in hardware.supported_precisions:
         supported = ", ".join(p.value for p in hardware.supported_precisions)
-        reasons.append(
-            f"precision={candidate.precision} is not supported on these {hardware.accelerator} devices "
-            f"(hardware.supported_precisions: {supported})"
-        )
+        where = f"on these {hardware.accelerator} devices"
+        if hardware.profile is not None and candidate.precision not in hardware.profile.precisions:
+            where = f"by the {hardware.profile.name} profile"  # the device has no such precision (bf16 on a V100)
+        reasons.append(f"precision={candidate.precision} is not supported {where} "
+                       f"(hardware.supported_precisions: {supported})")
     if training.model_init is ModelInit.ZERO_INIT and stage is not ZeroStage.PARAMETERS:
         reasons.append(f"training.model_init=zero_init builds the model partitioned (deepspeed.zero.Init); zero_stage "
                        f"{int(stage)} cannot train a partitioned model (use model_init auto, device or full)")

@@ -141,7 +141,10 @@ class ParameterInventory:
                                   model_class=str(data.get("model_class", "")), source=str(data.get("source", "")))
 
 
-def inventory_key(model_spec: Mapping[str, Any], *, versions: Mapping[str, str | None]) -> str:
-    """The cache key of a model's inventory: its spec (what the ranks build) and the libraries that build it."""
-    return json.dumps({"model": dict(model_spec), "versions": dict(versions), "format": INVENTORY_FORMAT},
-                      sort_keys=True, separators=(",", ":"))
+def inventory_key(model_spec: Mapping[str, Any], *, versions: Mapping[str, str | None],
+                  sequence_length: int | None = None) -> str:
+    """The cache key of a model's inventory: its spec (what the ranks build), the code that builds it
+    (``versions``: the libraries' versions and source digests) and ``sequence_length`` where the build is given it
+    (an entry point is called with it; None otherwise) — content only, nothing that names where a study sits."""
+    return json.dumps({"model": dict(model_spec), "versions": dict(versions), "sequence_length": sequence_length,
+                       "format": INVENTORY_FORMAT}, sort_keys=True, separators=(",", ":"))

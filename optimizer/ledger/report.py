@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
 
 from optimizer.ledger.activations import activation_source
 from optimizer.ledger.core import Ledger, Verdict
@@ -17,6 +20,69 @@ def _category_bytes(items: Sequence[LedgerItem], *, scale: int = 1) -> dict[str,
         out[item.category.value] += item.bytes * scale
     out["total"] = sum(out.values())
     return out
+
+
+class Limit(StrEnum):
+    """A capacity a candidate can exceed: the checks of :meth:`Ledger.verdict_reasons`, the device's split by phase."""
+
+    GPU = "gpu"
+    """Device memory at training's peak (a transient phase over the always-live items)."""
+    INIT = "init"
+    """Device memory at the init phase's peak (building the model, before DeepSpeed placed it)."""
+    HOST = "host"
+    """Host RAM per node (on CPU ranks with the device items: one memory)."""
+    NVME = "nvme"
+    """NVMe per node."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Shortfall:
+    """One limit a ledger exceeds, with the figures :meth:`Ledger.verdict_reasons` prints."""
+
+    limit: Limit
+    """Which capacity."""
+    phase: Phase
+    """The phase of the peak at that place (``init`` for :attr:`Limit.INIT`)."""
+    needed_bytes: int
+    """What the candidate needs there: per GPU (needed = reserved peak + device reserve), or per node."""
+    capacity_bytes: int
+    """What the study gives there."""
+
+    @property
+    def over_bytes(self) -> int:
+        """needed − capacity (> 0)."""
+        return self.needed_bytes - self.capacity_bytes
+
+    @property
+    def over_fraction(self) -> float:
+        """over / capacity: how far over, relative to the limit (inf for a zero capacity)."""
+        return self.over_bytes / self.capacity_bytes if self.capacity_bytes else math.inf
+
+    def json(self) -> dict[str, object]:
+        """The shortfall for programs: integer bytes (``over`` = needed − capacity)."""
+        return {"limit": self.limit.value, "phase": self.phase.value, "needed": self.needed_bytes,
+                "capacity": self.capacity_bytes, "over": self.over_bytes}
+
+
+def shortfalls(ledger: Ledger) -> tuple[Shortfall, ...]:
+    """Every limit ``ledger`` exceeds (empty when it fits), binding first (the largest :attr:`~Shortfall.over_fraction`;
+    ties in :meth:`Ledger.verdict_reasons`' order GPU, host, NVMe). One per reason, with its figures: the device
+    needs ``gpu_needed_bytes`` of ``gpu_capacity_bytes`` — :data:`Limit.INIT` when that peak is the init phase's
+    (the ledger has no separate init verdict: its device peak is the larger of init and training) —, the host
+    ``host_bytes`` of ``host_capacity_bytes``, NVMe ``nvme_bytes`` of ``nvme_capacity_bytes``; an unchecked capacity
+    (None) is never a shortfall."""
+    found: list[Shortfall] = []
+    if not ledger.fits_gpu:
+        phase = ledger.peak_phase
+        found.append(Shortfall(limit=Limit.INIT if phase is Phase.INIT else Limit.GPU, phase=phase,
+                               needed_bytes=ledger.gpu_needed_bytes, capacity_bytes=ledger.gpu_capacity_bytes))
+    if ledger.fits_host is False and ledger.host_capacity_bytes is not None:
+        found.append(Shortfall(limit=Limit.HOST, phase=ledger.peak_phase_at(ledger.host_locations),
+                               needed_bytes=ledger.host_bytes, capacity_bytes=ledger.host_capacity_bytes))
+    if ledger.fits_nvme is False and ledger.nvme_capacity_bytes is not None:
+        found.append(Shortfall(limit=Limit.NVME, phase=ledger.peak_phase_at(Location.NVME),
+                               needed_bytes=ledger.nvme_bytes, capacity_bytes=ledger.nvme_capacity_bytes))
+    return tuple(sorted(found, key=lambda s: -s.over_fraction))  # stable: ties keep the reasons' order
 
 
 def ledger_json(ledger: Ledger) -> dict[str, object]:
@@ -50,6 +116,7 @@ def ledger_json(ledger: Ledger) -> dict[str, object]:
         "fits_host": ledger.fits_host,
         "fits_nvme": ledger.fits_nvme,
         "reasons": list(ledger.verdict_reasons()),
+        "shortfalls": [s.json() for s in shortfalls(ledger)],
         "items": [
             {
                 "name": i.name,
@@ -165,33 +232,44 @@ def counts(verdicts: Sequence[Verdict]) -> dict[str, int]:
             "fits": fit, "does_not_fit": len(valid) - fit}
 
 
+def _verdict_word(ledger: Ledger) -> str:
+    """``fits``, or ``no: `` and the limits exceeded, binding first (``no: host``, ``no: init+host``)."""
+    falls = shortfalls(ledger)
+    return "no: " + "+".join(f.limit.value for f in falls) if falls else "fits"
+
+
 def all_table(verdicts: Sequence[Verdict], *, study: str, speeds: Mapping[str, StepTime | str] | None = None) -> str:
     """``--all``: every candidate, sorted (fitting by needed memory, then the rest, then invalid), with the
-    throughput model's tokens/s by candidate label when ``speeds`` is given."""
+    throughput model's tokens/s by candidate label when ``speeds`` is given; a candidate that does not fit names
+    the limits it exceeds (:func:`shortfalls`)."""
     speeds = speeds or {}
     ordered = sorted(verdicts, key=_sort_key)
     largest = max((v.ledger.gpu_needed_bytes for v in verdicts if v.ledger is not None), default=0)
     unit, scale = ("GB", GB) if largest >= GB / 10 else ("MB", 10**6)
+    words = {id(v): _verdict_word(v.ledger) for v in verdicts if v.ledger is not None}
+    w = max([13, *map(len, words.values())])
     lines = [f"study {study} · {len(verdicts)} candidates · {unit} = {scale:.0e} bytes (per GPU: needed = reserved "
              "peak + device reserve)".replace("1e+09", "10^9").replace("1e+06", "10^6"), "",
-             f"  {'verdict':<13} {'GPU needed ' + unit:>13} {'host ' + unit:>9} {'nvme ' + unit:>9} "
+             f"  {'verdict':<{w}} {'GPU needed ' + unit:>13} {'host ' + unit:>9} {'nvme ' + unit:>9} "
              f"{'tokens/s':>10}  {'activations':<11}  candidate"]
     for v in ordered:
         if v.ledger is None:
-            lines.append(f"  {'invalid':<13} {'-':>13} {'-':>9} {'-':>9} {'-':>10}  {'-':<11}  {v.candidate.label()}: "
+            lines.append(f"  {'invalid':<{w}} {'-':>13} {'-':>9} {'-':>9} {'-':>10}  {'-':<11}  {v.candidate.label()}: "
                          + "; ".join(v.invalid_reasons))
             continue
         led = v.ledger
-        word = "fits" if led.fits else "does not fit"
         speed = speeds.get(v.candidate.label())
         speed_text = f"{speed.tokens_per_s:>10,.0f}" if isinstance(speed, StepTime) else f"{'unknown':>10}"
-        lines.append(f"  {word:<13} {led.gpu_needed_bytes / scale:>13.2f} {led.host_bytes / scale:>9.2f} "
+        lines.append(f"  {words[id(v)]:<{w}} {led.gpu_needed_bytes / scale:>13.2f} {led.host_bytes / scale:>9.2f} "
                      f"{led.nvme_bytes / scale:>9.2f} {speed_text}  {_short_source(led):<11}  {v.candidate.label()}")
     c = counts(verdicts)
     sources = {step.source for step in speeds.values() if isinstance(step, StepTime)}
     if speeds:
         lines += ["", "tokens/s: the throughput model (" + (", ".join(sorted(sources)) or "no figures") + "); "
                   "'unknown' where a figure it needs is missing"]
+    if any(word != "fits" for word in words.values()):
+        lines += ["", "no: the limit it exceeds, the furthest over (relative) first — gpu: training's device peak, "
+                  "init: the device while the model is built, host: RAM per node, nvme: per node"]
     if any("*" in _short_source(v.ledger) for v in ordered if v.ledger is not None):
         lines += ["", "formula*: the study asked for traced activations but the trace failed; `dsopt trace` says why"]
     lines += ["", f"{c['valid']} valid ({c['fits']} fit, {c['does_not_fit']} do not fit), {c['invalid']} invalid, "

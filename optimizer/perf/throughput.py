@@ -35,7 +35,6 @@ from dataclasses import dataclass
 
 from optimizer.ledger.constraints import gradient_accumulation_steps
 from optimizer.ledger.transformer import parameter_count
-from optimizer.perf.hardware_profiles import profile_named
 from optimizer.study.knobs import (
     Candidate,
     EveryKCheckpointing,
@@ -163,10 +162,15 @@ def work(*, candidate: Candidate, model: TransformerModel, hardware: HardwareSpe
 
 
 def profile_rates(*, hardware: HardwareSpec) -> Rates:
-    """Seconds per unit from the hardware's profile (None where it has no figure, or no profile is named)."""
-    if hardware.profile is None:
+    """Seconds per unit from the hardware's profile (None where it has no figure, or no profile is given).
+
+    The profile is the one the study resolved (:attr:`HardwareSpec.profile`: a built-in one or the study's own
+    figures). One rate serves both 16-bit formats: bf16's figure where the study trains in bf16, else fp16's
+    (every datasheet in :mod:`optimizer.perf.hardware_profiles` prints the same figure for both; a V100 has fp16
+    only)."""
+    profile = hardware.profile
+    if profile is None:
         return Rates(seconds_per=(None,) * len(FEATURES), source="no hardware.profile")
-    profile = profile_named(hardware.profile)
     link = profile.link_bytes_per_s if hardware.nodes == 1 else (
         hardware.inter_node_bytes_per_s or profile.inter_node_bytes_per_s)
     nvme = hardware.nvme_bytes_per_s
@@ -174,7 +178,8 @@ def profile_rates(*, hardware: HardwareSpec) -> Rates:
     def inverse(rate: float | None) -> float | None:
         return 1.0 / rate if rate else None
 
-    fp32, half = profile.flops(Precision.FP32), profile.flops(Precision.BF16)
+    half_precision = Precision.BF16 if Precision.BF16 in hardware.supported_precisions else Precision.FP16
+    fp32, half = profile.flops(Precision.FP32), profile.flops(half_precision)
     gpu = half is not None
     return Rates(seconds_per=(
         inverse(fp32 * profile.efficiency) if fp32 else None,

@@ -139,6 +139,10 @@ class TrialResult:
     stopped_at: str | None = None
     """None for a run that went to the end; ``"init"`` or ``"step N"`` (N: the 0-based index of the attempted
     step after which it stopped) for a run stopped over its :class:`StopAbove` (outcome ``oom``)."""
+    device_name: str | None = None
+    """``torch.cuda.get_device_name()`` of the devices the ranks ran on (None: CPU ranks, or no rank reported)."""
+    device_total_bytes: int | None = None
+    """``torch.cuda.get_device_properties(dev).total_memory`` of those devices (bytes; None as above)."""
 
     def _rank_max(self, field: str) -> int | float | None:
         values = [v for r in self.ranks if (v := getattr(r, field)) is not None]
@@ -237,6 +241,7 @@ def summarize(
     and the measured steps' times so far (step time None when none was measured), no loss fidelity — and the
     earliest ``stopped_at``; any other failure beside them wins (see ``_PRIORITY``).
     """
+    device = _device(rank_reports)
     statuses = {report.get("status") for report in rank_reports.values()}
     failures = [o for o in _PRIORITY if o.value in statuses]
     missing = sorted(set(range(world_size)) - set(rank_reports))
@@ -245,14 +250,14 @@ def summarize(
         worst = failures[0]
         report = next(r for r in rank_reports.values() if r.get("status") == worst.value)
         return TrialResult(outcome=worst, message=f"rank {report.get('rank')}: {report.get('error_type')}: "
-                           f"{report.get('message', '')}", log_tail=log_tail, wall_s=wall_s)
+                           f"{report.get('message', '')}", log_tail=log_tail, wall_s=wall_s, **device)
     if host_oom:
-        return TrialResult(outcome=Outcome.OOM_HOST, message=host_oom, log_tail=log_tail, wall_s=wall_s)
+        return TrialResult(outcome=Outcome.OOM_HOST, message=host_oom, log_tail=log_tail, wall_s=wall_s, **device)
     if timed_out:
         return TrialResult(outcome=Outcome.TIMEOUT, message="the launch ran past its timeout and was killed",
-                           log_tail=log_tail, wall_s=wall_s)
+                           log_tail=log_tail, wall_s=wall_s, **device)
     if returncode != 0 or len(rank_reports) != world_size or not statuses <= {Outcome.OK.value, OVER_BUDGET}:
-        return TrialResult(outcome=Outcome.CRASH, log_tail=log_tail, wall_s=wall_s,
+        return TrialResult(outcome=Outcome.CRASH, log_tail=log_tail, wall_s=wall_s, **device,
                            message=f"launcher exit code {returncode}; ranks without a report: {missing}")
     ranks = _measurements(rank_reports)
     losses = tuple(rank_reports[0]["losses"])
@@ -264,15 +269,22 @@ def summarize(
     so_far = {"ranks": ranks, "losses": losses, "grad_norms": tuple(rank_reports[0]["grad_norms"]),
               "applied": applied, "loss_scales": tuple(rank_reports[0].get("loss_scales", ())),
               "step_time_s": step_time, "tokens_per_s": (tokens_per_step / step_time) if step_time else None,
-              "wall_s": wall_s}
+              "wall_s": wall_s, **device}
     if OVER_BUDGET in statuses:  # stopped over the budget: what was measured, no fidelity
         stopped_at, message = _stop_reason(rank_reports)
         return TrialResult(outcome=Outcome.OOM, stopped_at=stopped_at, message=message, log_tail=log_tail,
                            **so_far)
     fidelity = None if reference_losses is None else loss_fidelity(losses, reference_losses, applied)
     if not all(math.isfinite(x) for x in losses):  # the ranks raise first; kept as a guard
-        return TrialResult(outcome=Outcome.NAN, losses=losses, message="non-finite loss", wall_s=wall_s)
+        return TrialResult(outcome=Outcome.NAN, losses=losses, message="non-finite loss", wall_s=wall_s, **device)
     return TrialResult(outcome=Outcome.OK, loss_fidelity=fidelity, **so_far)
+
+
+def _device(rank_reports: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """The device the ranks ran on, from the first report that names one (reports written before the name was
+    recorded, and CPU ranks, name none): ``device_name`` and ``device_total_bytes`` for :class:`TrialResult`."""
+    named = next((rep for _, rep in sorted(rank_reports.items()) if rep.get("device_name")), {})
+    return {"device_name": named.get("device_name"), "device_total_bytes": named.get("device_total_bytes")}
 
 
 def _measurements(rank_reports: Mapping[int, Mapping[str, Any]]) -> tuple[RankMeasurement, ...]:

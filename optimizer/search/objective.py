@@ -192,6 +192,8 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
         trial.set_user_attr("attempts", len(failed) + 1)
         trial.set_user_attr("outcome", result.outcome.value)
         trial.set_user_attr("wall_s", result.wall_s)
+        if result.device_name is not None:  # the GPU the ranks ran on (CPU ranks: none)
+            trial.set_user_attr("device", {"name": result.device_name, "total_bytes": result.device_total_bytes})
         if result.outcome is Outcome.OOM and result.ranks:  # stopped over the budget: what it saw is data
             _measured(trial, result, spec=spec, host_share=host_share, init_host_share=init_host_share,
                       capacity=ledger.gpu_capacity_bytes)

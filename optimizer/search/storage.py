@@ -57,6 +57,28 @@ def allows_parallel_workers(url: str) -> bool:
     return storage_kind(url) is not StorageKind.SQLITE
 
 
+def check_storage_url(url: str, *, parallel: bool = False) -> None:
+    """Refuse (exit 2) a storage URL that cannot be opened, before anything is built or written and without
+    touching it: an unknown scheme, SQLite for several workers, a journal file that is not an absolute path in
+    an existing folder, an SQLite file whose folder does not exist, PostgreSQL without psycopg. Whether a
+    server answers is known only on opening (:func:`open_storage`)."""
+    kind = storage_kind(url)
+    if parallel:
+        check_shared_storage(url)
+    if kind is StorageKind.JOURNAL:
+        path = Path(url.removeprefix("journal://"))
+        if not path.is_absolute() or not path.parent.is_dir():
+            raise UserError(source="--storage", key=url, why="a journal URL needs an absolute path in an existing "
+                            "folder, e.g. journal:///shared/studies/NAME.log")
+    elif kind is StorageKind.SQLITE:
+        file = url.removeprefix("sqlite:///")
+        if url.startswith("sqlite:///") and file and file != ":memory:" and not Path(file).parent.is_dir():
+            raise UserError(source="--storage", key=url, why=f"the SQLite file's folder {Path(file).parent} does "
+                            "not exist (opening would fail after the model was prepared)")
+    else:
+        _require_psycopg(url)
+
+
 def check_shared_storage(url: str) -> None:
     """Refuse (exit 2) a storage several workers cannot share: SQLite."""
     if not allows_parallel_workers(url):
@@ -74,13 +96,9 @@ def open_storage(url: str, *, workers: WorkerSettings) -> Any:
     try:
         if kind is StorageKind.SQLITE:
             return RDBStorage(url)
+        check_storage_url(url)
         if kind is StorageKind.JOURNAL:
-            path = Path(url.removeprefix("journal://"))
-            if not path.is_absolute() or not path.parent.is_dir():
-                raise UserError(source="--storage", key=url, why="a journal URL needs an absolute path in an existing "
-                                "folder, e.g. journal:///shared/studies/NAME.log")
-            return JournalStorage(JournalFileBackend(str(path)))
-        _require_psycopg(url)
+            return JournalStorage(JournalFileBackend(url.removeprefix("journal://")))
         rdb_url = "postgresql+psycopg://" + connection_url(url).split("://", 1)[1]
         with warnings.catch_warnings():  # the callback is marked experimental; stable in practice since 2.8
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from optimizer.study import limits
 from optimizer.study.errors import UserError
-from optimizer.study.units import parse_bytes, parse_count
+from optimizer.study.units import parse_count, parse_size
 
 T = TypeVar("T")
 
@@ -89,9 +89,10 @@ def count_within(limit: int, what: str) -> Callable[[Any], int]:
 
 
 def bytes_within(limit: int, what: str) -> Callable[[Any], int]:
-    """A byte size no greater than ``limit`` (:mod:`optimizer.study.limits`)."""
+    """A byte size with its unit (a bare number is refused with the fix: :func:`~optimizer.study.units.parse_size`)
+    no greater than ``limit`` (:mod:`optimizer.study.limits`)."""
     def parse(value: Any) -> int:
-        size = parse_bytes(value)
+        size = parse_size(value)
         if why := limits.beyond(size, limit, what, unit="bytes"):
             raise ValueError(why)
         return size

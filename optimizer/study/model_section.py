@@ -34,7 +34,7 @@ from optimizer.study.specs import (
     SeedModel,
     TransformerModel,
 )
-from optimizer.study.units import parse_bytes
+from optimizer.study.units import parse_size
 
 
 def activation_table(value: Any) -> dict[str, int]:
@@ -47,7 +47,7 @@ def activation_table(value: Any) -> dict[str, int]:
         except ValueError as err:
             raise ValueError(f"key {option!r}: {err}") from None
         try:
-            table[canonical] = parse_bytes(amount)
+            table[canonical] = parse_size(amount)  # a unit is required: '8 GB', not 8
         except ValueError as err:
             raise ValueError(f"{option}: {err}") from None
     return table

@@ -11,6 +11,7 @@ from enum import StrEnum
 
 from optimizer.ledger.inventory import ParameterInventory
 from optimizer.study import limits
+from optimizer.study.device_profile import HardwareProfile
 from optimizer.study.knobs import (
     Candidate,
     Checkpointing,
@@ -213,10 +214,20 @@ class HardwareSpec:
     """Devices (GPUs, or CPU ranks) per node."""
     gpu_memory_bytes: int
     """Memory of one device, nominal (bytes)."""
+    binary_units: bool = False
+    """The study wrote ``gpu_memory`` in binary units (GiB, MiB, …; 2^30, 2^20 bytes) rather than decimal ones
+    (GB, MB; 10^9, 10^6): figures for this study print in that family first
+    (:func:`optimizer.study.units.format_bytes`)."""
     device_reserve_bytes: int = 0
-    """Per-device memory outside PyTorch's allocator: CUDA context, NCCL buffers (bytes)."""
+    """Per-device memory outside PyTorch's allocator: CUDA context, NCCL buffers (bytes). A CUDA study that does
+    not state it gets :data:`optimizer.study.hardware_section.CUDA_DEVICE_RESERVE_BYTES`."""
+    device_reserve_stated: bool = True
+    """``device_reserve`` was written in the study file (False: the default applied — output says "default")."""
     allocator_overhead: float = 0.0
-    """Reserved/allocated − 1 of the caching allocator (fragmentation); Mist's L4 runs: 0.058–0.225."""
+    """Reserved/allocated − 1 of the caching allocator (fragmentation); Mist's L4 runs: 0.058–0.225. A CUDA study
+    that does not state it gets :data:`optimizer.study.hardware_section.CUDA_ALLOCATOR_OVERHEAD`."""
+    allocator_overhead_stated: bool = True
+    """``allocator_overhead`` was written in the study file (False: the default applied)."""
     host_memory_bytes: int | None = None
     """Host RAM of one node (bytes); None = not checked."""
     nvme_path: str | None = None
@@ -224,9 +235,10 @@ class HardwareSpec:
     nvme_bytes: int | None = None
     """Free NVMe capacity of one node (bytes); None = not checked."""
     supported_precisions: tuple[Precision, ...] = (Precision.FP32, Precision.BF16, Precision.FP16)
-    """Precisions the device can train in (CPU ranks refuse fp16 in DeepSpeed)."""
-    profile: str | None = None
-    """Name of the device's figures for the throughput model (:mod:`optimizer.perf.hardware_profiles`)."""
+    """Precisions the device can train in (CPU ranks refuse fp16 in DeepSpeed; a profile's device may lack one)."""
+    profile: HardwareProfile | None = None
+    """The device's figures for the throughput model: a built-in profile (:mod:`optimizer.perf.hardware_profiles`)
+    or the study's own (``hardware.profile`` as a mapping); None: unknown until calibration."""
     inter_node_bytes_per_s: float | None = None
     """Network bandwidth per device between nodes, one direction (bytes/s); overrides the profile."""
     nvme_bytes_per_s: float | None = None

@@ -21,13 +21,11 @@ with ``yaml.safe_load`` (:mod:`optimizer.study.yaml_file`, which also refuses re
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from optimizer.perf.hardware_profiles import profile_named
 from optimizer.study import limits
 from optimizer.study.cluster_settings import (
     BudgetSettings,
@@ -37,28 +35,25 @@ from optimizer.study.cluster_settings import (
     parse_slurm,
     parse_workers,
 )
+from optimizer.study.cross_checks import check_positions
 from optimizer.study.errors import UserError
 from optimizer.study.fields import (
-    DEVICE_BYTES,
-    HOST_BYTES,
     Section,
     as_enum,
     as_fraction,
-    as_path,
     as_positive_int,
     as_study_name,
     as_text,
     built,
-    bytes_within,
     count_within,
-    spec_error,
 )
+from optimizer.study.hardware_section import parse_hardware
 from optimizer.study.knobs import Precision
 from optimizer.study.model_section import parse_model
 from optimizer.study.search_space import SearchSpace, parse_search_space
-from optimizer.study.specs import Accelerator, HardwareSpec, ModelInit, ModelSpec, Optimizer, TrainingSpec
+from optimizer.study.specs import HardwareSpec, ModelInit, ModelSpec, Optimizer, TrainingSpec
 from optimizer.study.trial_settings import TrialSettings
-from optimizer.study.units import parse_bytes, parse_count
+from optimizer.study.units import parse_count
 from optimizer.study.yaml_file import read_yaml
 
 
@@ -91,61 +86,6 @@ class StudySpec:
     def output_dir(self) -> Path:
         """Where the study's outputs go: ``studies/<name>/`` beside the study file (git-ignored)."""
         return self.path.parent / self.name
-
-
-def _parse_hardware(section: Section) -> HardwareSpec:
-    accelerator = section.get("accelerator", as_enum(Accelerator), Accelerator.CUDA)
-    default_precisions = (
-        (Precision.FP32, Precision.BF16) if accelerator is Accelerator.CPU else tuple(Precision)
-    )
-    nvme_path = section.get("nvme_path", as_path, None)
-    nvme_bytes = section.get("nvme_capacity", bytes_within(limits.MAX_NVME_BYTES, "NVMe capacity"), None)
-    if nvme_path is not None and nvme_bytes is None:
-        # The capacity is read from the path itself: the path must then exist here.
-        if not Path(nvme_path).is_dir():
-            raise section.error("nvme_path", f"{nvme_path!r} is not an existing directory "
-                                "(give hardware.nvme_capacity to plan for another machine)")
-        nvme_bytes = shutil.disk_usage(nvme_path).free
-    try:
-        hardware = HardwareSpec(
-            accelerator=accelerator,
-            nodes=section.get("nodes", count_within(limits.MAX_DEVICES, "node count"), 1),
-            gpus_per_node=section.get("gpus_per_node", count_within(limits.MAX_DEVICES, "devices per node")),
-            gpu_memory_bytes=section.get("gpu_memory", DEVICE_BYTES),
-            device_reserve_bytes=section.get("device_reserve", DEVICE_BYTES, 0),
-            allocator_overhead=section.get("allocator_overhead", as_fraction, 0.0),
-            host_memory_bytes=section.get("host_memory", HOST_BYTES, None),
-            nvme_path=nvme_path,
-            nvme_bytes=nvme_bytes,
-            supported_precisions=section.get("supported_precisions", _precision_list, default_precisions),
-            profile=section.get("profile", _profile, None),
-            inter_node_bytes_per_s=section.get("inter_node_bandwidth", _bandwidth, None),
-            nvme_bytes_per_s=section.get("nvme_bandwidth", _bandwidth, None),
-        )
-    except ValueError as err:
-        raise spec_error(section, err) from None
-    section.finish()
-    return hardware
-
-
-def _profile(value: Any) -> str:
-    return profile_named(as_text(value)).name
-
-
-def _bandwidth(value: Any) -> float:
-    text = str(value).strip()
-    if not text.endswith("/s"):
-        raise ValueError(f"expected a bandwidth such as '50 GB/s', got {value!r}")
-    rate = float(parse_bytes(text.removesuffix("/s").strip()))
-    if rate <= 0:
-        raise ValueError(f"expected a bandwidth above 0, got {value!r}")
-    return rate
-
-
-def _precision_list(value: Any) -> tuple[Precision, ...]:
-    if not isinstance(value, list) or not value:
-        raise ValueError("expected a non-empty list such as [fp32, bf16]")
-    return tuple(as_enum(Precision)(item) for item in value)
 
 
 def _parse_training(section: Section) -> TrainingSpec:
@@ -214,13 +154,14 @@ def load_study(path: str | Path) -> StudySpec:
         sequence_length=training.sequence_length,
         study_dir=study_path.parent,
     )
-    hardware = _parse_hardware(Section(top.get("hardware", lambda v: v), source=source, key="hardware"))
+    hardware = parse_hardware(Section(top.get("hardware", lambda v: v), source=source, key="hardware"))
     space = _parse_space_ref(top.get("search_space", lambda v: v), study_path=study_path)
     trial = _parse_trial(Section(top.get("trial", lambda v: v, {}), source=source, key="trial"))
     budget = parse_budget(Section(top.get("budget", lambda v: v, {}), source=source, key="budget"))
     workers = parse_workers(Section(top.get("workers", lambda v: v, {}), source=source, key="workers"))
     slurm = parse_slurm(Section(top.get("slurm", lambda v: v, {}), source=source, key="slurm"))
     top.finish()
+    check_positions(model=model, training=training, source=source)
     stages = dict(space.values).get("zero_stage", (0,))
     if training.model_init is ModelInit.ZERO_INIT and 3 not in stages:
         raise UserError(source=source, key="training.model_init",

@@ -28,6 +28,11 @@ def odd_url() -> str:
     url = _setting("DSOPT_TEST_POSTGRES_ODD")
     if not url:
         pytest.skip("no PostgreSQL role with an '@' in its password: run 'bash dev.sh services'")
+    try:
+        _tables(url)
+    except Exception as err:  # the server went away since the env file was written
+        pytest.skip(f"PostgreSQL at DSOPT_TEST_POSTGRES_ODD is not reachable ({type(err).__name__}); "
+                    "run 'bash dev.sh services'")
     return url
 
 
