@@ -280,3 +280,23 @@ def test_many_distinct_reasons_stay_on_one_screen(seed):
     assert "  2  micro_batch_size=3 x 2 ranks = 6 does not divide global_batch_size=16" in text
     assert "  … 3 other reasons" in text and "micro_batch_size=5" not in text
     assert "micro_batch_size=7 x 2" in plan_text(vs, {}, study="seed", max_reasons=2, show_invalid=True)
+
+
+def test_a_v100_study_plans_with_speeds_and_without_bf16():
+    # Llama-2-13B on one V100-32GB: Volta has no bf16 (NVIDIA V100 datasheet: fp32, fp16 tensor cores), so no
+    # bf16 row; the v100-32gb profile's figures give every fitting candidate a predicted speed
+    from optimizer.perf.throughput import predict_candidate
+
+    study = load_study(Path(__file__).resolve().parents[1] / "studies" / "llama2-13b-1xv100.yaml")
+    vs = verdicts(study)
+    speeds = {v.candidate.label(): predict_candidate(candidate=v.candidate, model=study.model,
+                                                     hardware=study.hardware, training=study.training)
+              for v in vs if v.ledger is not None}
+    out = plan_json(vs, speeds)
+    assert out["fitting"], "something fits a 13B on a 32 GB card with offload"
+    assert all(e["tokens_per_s"] is not None for e in out["fitting"])
+    assert not any("bf16" in e["label"] for e in out["fitting"] + out["closest_not_fitting"])
+    bf16 = [r for r in out["invalid"] if "bf16" in r["reason"] and "v100-32gb" in r["reason"]]
+    assert bf16 and bf16[0]["candidates"] == len(vs) // 3  # a third of the space: every bf16 candidate
+    text = plan_text(vs, speeds, study=study.name)
+    assert "bf16|fp16" not in text and "tokens/s: the throughput model (profile v100-32gb)" in text
