@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_plan_json(study, verdicts, speeds, all_candidates=args.all), indent=2))
     elif args.all:
-        print(all_table(verdicts, study=study.name, speeds=speeds))
+        print(all_table(verdicts, study=study.name, speeds=speeds, binary=study.hardware.binary_units))
     else:
         print(plan_text(verdicts, speeds=speeds, study=study.name, fmt=_formatter(study),
                         column_fmt=_formatter(study, other=False), show_invalid=args.invalid))
@@ -92,7 +92,7 @@ def _one(study: StudySpec, candidate: Candidate, args: argparse.Namespace) -> in
         out["inventory"] = inventory_json(study)
         print(json.dumps(out, indent=2))
         return 0
-    print(ledger_table(verdict.ledger, study=study.name, psi=psi(study)))
+    print(ledger_table(verdict.ledger, study=study.name, psi=psi(study), binary=study.hardware.binary_units))
     inventory = study.model.inventory if isinstance(study.model, TransformerModel) else None
     print("\n".join(["", *(inventory.summary_lines() if inventory else [
         "Parameters: from the shape's layout (a study given by its shape, or a model that could not be built "

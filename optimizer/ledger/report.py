@@ -11,7 +11,7 @@ from optimizer.ledger.activations import activation_source
 from optimizer.ledger.core import Ledger, Verdict
 from optimizer.ledger.items import Category, LedgerItem, Location, Phase
 from optimizer.perf.throughput import StepTime
-from optimizer.study.units import GB, GiB
+from optimizer.study.units import GB, GiB, format_bytes
 
 
 def _category_bytes(items: Sequence[LedgerItem], *, scale: int = 1) -> dict[str, int]:
@@ -136,14 +136,26 @@ def _fit_word(value: bool | None) -> str:
     return {True: "fits", False: "DOES NOT FIT", None: "unchecked (no capacity given)"}[value]
 
 
-def _rows(rows: Sequence[tuple[str, str, int]], *, indent: str = "  ") -> list[str]:
-    """Aligned ``item  formula  GB`` rows."""
+_POWERS = {"GB": "10^9", "GiB": "2^30", "MB": "10^6", "MiB": "2^20"}
+
+
+def table_unit(binary: bool, capacity: int) -> tuple[str, int]:
+    """The unit of a ledger's table: GiB (2^30) for a study that wrote ``hardware.gpu_memory`` in binary units,
+    GB (10^9) otherwise — the seed document's; MiB / MB for a device under one GiB / GB (CPU-rank studies)."""
+    if binary:
+        return ("GiB", GiB) if capacity >= GiB else ("MiB", 2**20)
+    return ("GB", GB) if capacity >= GB else ("MB", 10**6)
+
+
+def _rows(rows: Sequence[tuple[str, str, int]], *, indent: str = "  ", scale: int = GB) -> list[str]:
+    """Aligned ``item  formula  GB`` rows (``scale``: bytes per printed unit)."""
     name_w = max([len(r[0]) for r in rows] + [4])
     formula_w = max([len(r[1]) for r in rows] + [7])
-    return [f"{indent}{name:<{name_w}}  {formula:<{formula_w}}  {num / GB:9.3f}" for name, formula, num in rows]
+    return [f"{indent}{name:<{name_w}}  {formula:<{formula_w}}  {num / scale:9.3f}" for name, formula, num in rows]
 
 
-def _other_phases(ledger: Ledger, location: Location | tuple[Location, ...]) -> list[str]:
+def _other_phases(ledger: Ledger, location: Location | tuple[Location, ...], *,
+                  unit: tuple[str, int] = ("GB", GB)) -> list[str]:
     """The transient phases of ``location`` that are not its peak, with their items."""
     peak = ledger.peak_phase_at(location)
     where = location if isinstance(location, tuple) else (location,)
@@ -155,24 +167,28 @@ def _other_phases(ledger: Ledger, location: Location | tuple[Location, ...]) -> 
         if not lines:
             lines.append("  Other phases (not at the peak), per rank:")
         if phase is Phase.INIT:
-            lines.append(f"    {phase.value}: {sum(i.bytes for i in items) / GB:.3f} GB (nothing else allocated yet)")
+            lines.append(f"    {phase.value}: {sum(i.bytes for i in items) / unit[1]:.3f} {unit[0]} (nothing else "
+                         "allocated yet)")
         else:
             always = sum(i.bytes for i in ledger.items if i.location in where and i.phase is Phase.ALWAYS)
             total = always + sum(i.bytes for i in items)
             if peak is Phase.INIT:  # the always-live items are not in the peak listing: show them here
-                lines.append(f"    {phase.value}: {total / GB:.3f} GB")
+                lines.append(f"    {phase.value}: {total / unit[1]:.3f} {unit[0]}")
                 items = [i for i in ledger.items if i.location in where and i.phase is Phase.ALWAYS] + items
             else:
-                lines.append(f"    {phase.value}: {total / GB:.3f} GB with the always-live items")
-        lines += _rows([(i.name, i.formula, i.bytes) for i in items], indent="      ")
+                lines.append(f"    {phase.value}: {total / unit[1]:.3f} {unit[0]} with the always-live items")
+        lines += _rows([(i.name, i.formula, i.bytes) for i in items], indent="      ", scale=unit[1])
     return lines
 
 
-def ledger_table(ledger: Ledger, *, study: str, psi: int) -> str:
-    """A readable ledger like the seed's: item, formula, GB (10^9 bytes), then the verdict."""
+def ledger_table(ledger: Ledger, *, study: str, psi: int, binary: bool = False) -> str:
+    """A readable ledger like the seed's: item, formula, bytes in GB (10^9) — or in GiB (2^30) for a study that
+    wrote its device memory in binary units (``binary``) — then the verdict."""
+    unit = table_unit(binary, ledger.gpu_capacity_bytes)
     lines = [
         f"study {study} · candidate {ledger.candidate.label()}",
-        f"Ψ = {psi:,} parameters · {ledger.ranks_per_node} rank(s) per node · GB = 10^9 bytes, GiB = 2^30 bytes",
+        f"Ψ = {psi:,} parameters · {ledger.ranks_per_node} rank(s) per node · figures in {unit[0]} "
+        f"({unit[0]} = {_POWERS[unit[0]]} bytes)",
         "",
         f"Per GPU — peak in the {ledger.peak_phase.value} phase",
     ]
@@ -184,12 +200,12 @@ def ledger_table(ledger: Ledger, *, study: str, psi: int) -> str:
     if ledger.device_reserve_bytes:
         summary.append(("device reserve (CUDA context, NCCL)", "", ledger.device_reserve_bytes))
     summary.append(("needed", "", ledger.gpu_needed_bytes))
-    table = _rows([(i.name, i.formula, i.bytes) for i in peak] + summary)
+    table = _rows([(i.name, i.formula, i.bytes) for i in peak] + summary, scale=unit[1])
     lines += [*table[:len(peak)], "  " + "-" * (len(table[0]) - 2), *table[len(peak):]]
     lines.append(f"  activations from: {activation_source(ledger.items)}")
     cap = ledger.gpu_capacity_bytes
-    lines.append(f"  capacity {cap / GB:.2f} GB ({cap / GiB:.2f} GiB): {_fit_word(ledger.fits_gpu)}")
-    other = _other_phases(ledger, Location.GPU)
+    lines.append(f"  capacity {format_bytes(cap, binary=binary)}: {_fit_word(ledger.fits_gpu)}")
+    other = _other_phases(ledger, Location.GPU, unit=unit)
     lines += ["", *other] if other else []
     for location, title, capacity, total, fits in (
         (Location.HOST, "Host RAM per node", ledger.host_capacity_bytes, ledger.host_bytes, ledger.fits_host),
@@ -200,12 +216,12 @@ def ledger_table(ledger: Ledger, *, study: str, psi: int) -> str:
         where = ledger.host_locations if location is Location.HOST else location
         phase = ledger.peak_phase_at(where)
         lines += ["", f"{title} — {ledger.ranks_per_node} rank(s) × the per-rank peak ({phase.value} phase)"]
-        if where != location:
+        if location is Location.HOST and ledger.device_is_host:
             lines.append("  (CPU ranks: device and host items share host RAM, so they peak together)")
-        lines += _rows([(i.name, i.formula, i.bytes) for i in ledger.peak_items_at(where)])
-        cap_text = "?" if capacity is None else f"{capacity / GB:.2f} GB"
-        lines.append(f"  needed {total / GB:.3f} GB of {cap_text}: {_fit_word(fits)}")
-        lines += _other_phases(ledger, where)
+        lines += _rows([(i.name, i.formula, i.bytes) for i in ledger.peak_items_at(where)], scale=unit[1])
+        cap_text = "?" if capacity is None else format_bytes(capacity, binary=binary)
+        lines.append(f"  needed {format_bytes(total, binary=binary)} of {cap_text}: {_fit_word(fits)}")
+        lines += _other_phases(ledger, where, unit=unit)
     lines += ["", f"Verdict: {'FITS' if ledger.fits else 'DOES NOT FIT'}"
               + ("" if ledger.fits else f" — {'; '.join(ledger.verdict_reasons())}")]
     sources = sorted({i.source for i in ledger.items})
@@ -238,18 +254,20 @@ def _verdict_word(ledger: Ledger) -> str:
     return "no: " + "+".join(f.limit.value for f in falls) if falls else "fits"
 
 
-def all_table(verdicts: Sequence[Verdict], *, study: str, speeds: Mapping[str, StepTime | str] | None = None) -> str:
+def all_table(verdicts: Sequence[Verdict], *, study: str, speeds: Mapping[str, StepTime | str] | None = None,
+              binary: bool = False) -> str:
     """``--all``: every candidate, sorted (fitting by needed memory, then the rest, then invalid), with the
     throughput model's tokens/s by candidate label when ``speeds`` is given; a candidate that does not fit names
-    the limits it exceeds (:func:`shortfalls`)."""
+    the limits it exceeds (:func:`shortfalls`). Figures in GB or MB — GiB or MiB for a study that wrote its
+    device memory in binary units (``binary``)."""
     speeds = speeds or {}
     ordered = sorted(verdicts, key=_sort_key)
     largest = max((v.ledger.gpu_needed_bytes for v in verdicts if v.ledger is not None), default=0)
-    unit, scale = ("GB", GB) if largest >= GB / 10 else ("MB", 10**6)
+    unit, scale = table_unit(binary, largest * 10)
     words = {id(v): _verdict_word(v.ledger) for v in verdicts if v.ledger is not None}
     w = max([13, *map(len, words.values())])
-    lines = [f"study {study} · {len(verdicts)} candidates · {unit} = {scale:.0e} bytes (per GPU: needed = reserved "
-             "peak + device reserve)".replace("1e+09", "10^9").replace("1e+06", "10^6"), "",
+    lines = [f"study {study} · {len(verdicts)} candidates · {unit} = {_POWERS[unit]} bytes (per GPU: needed = "
+             "reserved peak + device reserve)", "",
              f"  {'verdict':<{w}} {'GPU needed ' + unit:>13} {'host ' + unit:>9} {'nvme ' + unit:>9} "
              f"{'tokens/s':>10}  {'activations':<11}  candidate"]
     for v in ordered:
