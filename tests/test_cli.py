@@ -180,3 +180,27 @@ def test_a_usage_mistake_is_one_line_and_exit_2(argv, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.count("\n") == 1 and err.startswith("dsopt") and "--help" in err
+
+
+def test_the_plan_says_which_cuda_defaults_it_took(capsys, tmp_path):
+    # a CUDA study that states neither device_reserve nor allocator_overhead is planned with the documented
+    # defaults (1 GiB, 0.12), and the output says so; stated figures (0 included) bring no such line
+    import yaml
+
+    study = {"model": {"kind": "transformer", "layers": 2, "hidden_size": 64, "heads": 4, "vocab_size": 256,
+                       "activations": "formula"},
+             "hardware": {"gpus_per_node": 2, "gpu_memory": "16 GiB", "profile": "l4-24gb"},
+             "training": {"global_batch_size": 8, "micro_batch_size": 2, "sequence_length": 64},
+             "search_space": {"knobs": {"zero_stage": [0, 1]}}}
+    path = tmp_path / "cuda.yaml"
+    path.write_text(yaml.safe_dump(study))
+    code, out, _ = run(capsys, "ledger", str(path))
+    assert code == 0
+    assert "defaults applied (not in the study file): hardware.device_reserve 1.00 GiB (1.07 GB), " \
+           "hardware.allocator_overhead 0.12" in out
+    code, out, _ = run(capsys, "ledger", str(path), "--set", "zero_stage=1")
+    assert code == 0 and "defaults applied" in out and "device reserve (CUDA context, NCCL)" in out
+    study["hardware"] |= {"device_reserve": "0 GiB", "allocator_overhead": 0}
+    path.write_text(yaml.safe_dump(study))
+    code, out, _ = run(capsys, "ledger", str(path))
+    assert code == 0 and "defaults applied" not in out

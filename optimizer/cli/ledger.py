@@ -64,7 +64,23 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(plan_text(verdicts, speeds=speeds, study=study.name, fmt=_formatter(study),
                         column_fmt=_formatter(study, other=False), show_invalid=args.invalid))
+        if note := _defaults_line(study):
+            print(note)
     return 0
+
+
+def _defaults_line(study: StudySpec) -> str | None:
+    """Which device-memory figures the study left to dsopt's CUDA defaults (docs/study-file.md), or None."""
+    hw = study.hardware
+    taken = []
+    if not hw.device_reserve_stated and hw.device_reserve_bytes:
+        taken.append(f"hardware.device_reserve {format_bytes(hw.device_reserve_bytes, binary=hw.binary_units)}")
+    if not hw.allocator_overhead_stated and hw.allocator_overhead:
+        taken.append(f"hardware.allocator_overhead {hw.allocator_overhead:g}")
+    if not taken:
+        return None
+    return (f"defaults applied (not in the study file): {', '.join(taken)} — published figures for CUDA "
+            "(docs/study-file.md); state this device's own to replace them")
 
 
 def _formatter(study: StudySpec, *, other: bool = True) -> Callable[[int], str]:
@@ -93,6 +109,8 @@ def _one(study: StudySpec, candidate: Candidate, args: argparse.Namespace) -> in
         print(json.dumps(out, indent=2))
         return 0
     print(ledger_table(verdict.ledger, study=study.name, psi=psi(study), binary=study.hardware.binary_units))
+    if note := _defaults_line(study):
+        print(note)
     inventory = study.model.inventory if isinstance(study.model, TransformerModel) else None
     print("\n".join(["", *(inventory.summary_lines() if inventory else [
         "Parameters: from the shape's layout (a study given by its shape, or a model that could not be built "
