@@ -35,8 +35,17 @@ FOREIGN_LOCK_S = 3600.0
 the longest DeepSpeed op build (minutes); the lock's mtime is its creation, ``FileBaton`` never touches it."""
 OWNER_SUFFIX = ".owner"
 """The owner record beside a lock: ``<op>/lock.owner``."""
-LOCK_GLOB = "*/*/lock"
-"""Locks under ``TORCH_EXTENSIONS_DIR``: ``<py311_cu124>/<op>/lock``."""
+LOCK_GLOBS = ("*/lock", "*/*/lock")
+"""Locks under the extensions root: ``<op>/lock`` when ``TORCH_EXTENSIONS_DIR`` is set — which every dsopt launch
+does (launchers/local.py) — and ``<py311_cu124>/<op>/lock`` under torch's default root, which adds that folder
+only when the variable is unset (``torch/utils/cpp_extension.py`` ``_get_build_directory``)."""
+
+
+def build_locks(root: Path) -> list[Path]:
+    """Every JIT-build lock under ``root`` (:data:`LOCK_GLOBS`)."""
+    if not root.is_dir():
+        return []
+    return [lock for pattern in LOCK_GLOBS for lock in root.glob(pattern)]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -168,7 +177,7 @@ def _processes() -> list[int]:
 def record_lock_owners(root: Path, *, pids: Callable[[], Iterable[int]], node: NodeIdentity | None = None) -> int:
     """Write ``lock.owner`` for every lock under ``root`` held open by one of ``pids()`` (called only when a lock
     exists, so a launch pays for the ``/proc`` scan only while an op is being built); returns how many."""
-    locks = list(root.glob(LOCK_GLOB)) if root.is_dir() else []
+    locks = build_locks(root)
     if not locks:
         return 0
     held = _holders(pids())
@@ -197,7 +206,7 @@ def clear_stale_build_locks(root: Path, *, foreign_after_s: float = FOREIGN_LOCK
                             node: NodeIdentity | None = None) -> list[Path]:
     """Remove the locks under ``root`` that :func:`lock_verdict` condemns (and their records); returns them."""
     removed: list[Path] = []
-    locks = list(root.glob(LOCK_GLOB)) if root.is_dir() else []
+    locks = build_locks(root)
     if not locks:
         return removed
     node = node or this_node()

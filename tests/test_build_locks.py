@@ -51,14 +51,20 @@ def test_build_lock_rule(lock, remove, why):
     assert verdict.remove is remove and why in verdict.why
 
 
-def test_build_locks_recorded_while_held_are_removed_once_their_owner_dies(tmp_path):
+# where torch puts an op's lock: <TORCH_EXTENSIONS_DIR>/<op>/lock when the variable is set (every dsopt launch sets
+# it), <default root>/<py311_cpu>/<op>/lock when it is not (torch/utils/cpp_extension.py _get_build_directory)
+LAYOUTS = pytest.mark.parametrize("layout", [".", "py311_cpu"], ids=["TORCH_EXTENSIONS_DIR", "default-root"])
+
+
+@LAYOUTS
+def test_build_locks_recorded_while_held_are_removed_once_their_owner_dies(tmp_path, layout):
     import os
     import subprocess
     import sys
     import time
 
     root = tmp_path / "ext"
-    ours, foreign, unknown = (root / "py311_cpu" / op / "lock" for op in ("fused_adam", "cpu_adam", "cpu_lion"))
+    ours, foreign, unknown = (root / layout / op / "lock" for op in ("fused_adam", "cpu_adam", "cpu_lion"))
     for lock in (ours, foreign, unknown):
         lock.parent.mkdir(parents=True)
     holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; os.open(sys.argv[1], os.O_CREAT | "
@@ -86,7 +92,8 @@ def test_build_locks_recorded_while_held_are_removed_once_their_owner_dies(tmp_p
     assert foreign.exists()  # another node's, young: it may be building right now
 
 
-def test_a_killed_launch_removes_its_ranks_lock_but_not_another_nodes(tmp_path):
+@LAYOUTS
+def test_a_killed_launch_removes_its_ranks_lock_but_not_another_nodes(tmp_path, layout):
     """The launch's rank holds ``fused_adam/lock`` when the timeout kills it: recorded while held, removed after.
     ``cpu_adam/lock`` carries no record (another node may be building under it): it stays, as young as it is."""
     import os
@@ -96,7 +103,7 @@ def test_a_killed_launch_removes_its_ranks_lock_but_not_another_nodes(tmp_path):
     from launchers.local import LAUNCH_ID_VAR, LaunchPlan, execute
 
     root = tmp_path / "ext"
-    ours, theirs = (root / "py311_cpu" / op / "lock" for op in ("fused_adam", "cpu_adam"))
+    ours, theirs = (root / layout / op / "lock" for op in ("fused_adam", "cpu_adam"))
     for lock in (ours, theirs):
         lock.parent.mkdir(parents=True)
     theirs.touch()
