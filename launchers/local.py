@@ -119,8 +119,11 @@ def build_launch_plan(
     env["TORCHELASTIC_ERROR_FILE"] = str(out_dir / "elastic_error.json")
     env[LAUNCH_ID_VAR] = launch_id
     env["TORCH_EXTENSIONS_DIR"] = str(extensions_dir)
+    # The accelerator is the study's decision, set both ways: an inherited DS_ACCELERATOR=cpu (a shell that ran a
+    # CPU study) would otherwise turn a GPU study's ranks into CPU ranks (DeepSpeed's get_accelerator() reads it
+    # first: accelerator/real_accelerator.py), and the rank decides CPU ranks from it too.
+    env["DS_ACCELERATOR"] = "cpu" if cpu_ranks else "cuda"
     if cpu_ranks:
-        env["DS_ACCELERATOR"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)

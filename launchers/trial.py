@@ -36,7 +36,7 @@ from optimizer.deepspeed.versions import installed_versions, warn_deepspeed_mism
 from optimizer.ledger.constraints import invalid_reasons
 from optimizer.ledger.core import evaluate
 from optimizer.perf.throughput import predict_candidate
-from optimizer.results.trial_result import Outcome, StopAbove, TrialResult, summarize
+from optimizer.results.trial_result import Outcome, StopAbove, TrialResult, summarize, wrong_device
 from optimizer.search.coordination import now_utc, worker_id
 from optimizer.study.errors import UserError
 from optimizer.study.knobs import Candidate, FullCheckpointing, OffloadDevice, ZeroStage
@@ -218,6 +218,9 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
         reference_losses=reference_losses, log_tail=log_tail(log_path), wall_s=run.wall_s,
         host_memory=host.evidence(),
     )
+    if mismatch := wrong_device(reports, expected=str(study.hardware.accelerator)):
+        result = dataclasses.replace(result, outcome=Outcome.CRASH, message=mismatch, tokens_per_s=None,
+                                     log_tail=log_tail(log_path))
     if result.outcome is Outcome.OK:
         result = dataclasses.replace(result, log_tail="")
     record_json = {**result_json(result), "versions": installed_versions(),

@@ -34,12 +34,29 @@ def test_launch_plan_snapshot():
     assert plan.cwd == "/repo"
 
 
-def test_gpu_plan_leaves_the_accelerator_alone():
+def test_gpu_plan_sets_the_accelerator_even_against_an_inherited_one():
+    # issue 24: a shell that ran a CPU study keeps DS_ACCELERATOR=cpu; a GPU study's ranks must still be CUDA ranks
     plan = build_launch_plan(python="py", ranks=4, cpu_ranks=False, master_port=1, plan_path=Path("p"),
-                             out_dir=Path("o"), base_env={"PYTHONPATH": "/x"}, pythonpath=["/repo"], cwd=Path("."),
-                             cpu_count=16, launch_id="id", extensions_dir=Path("/x/ext"))
-    assert "DS_ACCELERATOR" not in plan.env and plan.env["PYTHONPATH"] == "/repo:/x"
+                             out_dir=Path("o"), base_env={"PYTHONPATH": "/x", "DS_ACCELERATOR": "cpu"},
+                             pythonpath=["/repo"], cwd=Path("."), cpu_count=16, launch_id="id",
+                             extensions_dir=Path("/x/ext"), gpus=["0", "1"])
+    assert plan.env["DS_ACCELERATOR"] == "cuda" and plan.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert plan.env["PYTHONPATH"] == "/repo:/x"
     assert plan.env["OMP_NUM_THREADS"] == "4"
+    cpu = build_launch_plan(python="py", ranks=2, cpu_ranks=True, master_port=1, plan_path=Path("p"),
+                            out_dir=Path("o"), base_env={"DS_ACCELERATOR": "cuda"}, pythonpath=[], cwd=Path("."),
+                            cpu_count=2, launch_id="id", extensions_dir=Path("/x/ext"))
+    assert cpu.env["DS_ACCELERATOR"] == "cpu"
+
+
+def test_a_rank_on_another_device_than_the_studys_is_a_trial_error():
+    from optimizer.results.trial_result import wrong_device
+
+    cuda_ranks = {0: {"device": "cuda"}, 1: {"device": "cuda"}}
+    assert wrong_device(cuda_ranks, expected="cuda") is None
+    assert wrong_device({0: {"device": "cuda"}, 1: {"status": "crash"}}, expected="cuda") is None  # names none
+    why = wrong_device({0: {"device": "cuda"}, 1: {"device": "cpu"}}, expected="cuda")
+    assert why is not None and why.startswith("rank 1 ran on cpu") and "hardware.accelerator is cuda" in why
 
 
 CPU_ALLOCATOR_OOM = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "
@@ -303,3 +320,20 @@ def test_reference_candidate_is_the_baseline_or_its_least_memory_fp32_variant(re
         reference_candidate(load_study(tmp_path / "none.yaml"))
 
 
+
+
+def test_the_norm_where_deepspeed_gives_none_is_every_gradients_norm():
+    # issue 24: only where the engine's optimizer keeps no norm (engine.py:3518-3519), and per tensor in its own dtype
+    from types import SimpleNamespace
+
+    import torch
+
+    from launchers.workloads.trial_rank import _grad_norm, _reports_grad_norm
+
+    layer = torch.nn.Linear(3, 2)
+    layer.weight.grad = torch.tensor([[3.0, 4.0, 0.0], [0.0, 0.0, 0.0]])
+    layer.bias.grad = torch.tensor([0.0, 12.0])
+    assert _grad_norm(layer) == 13.0  # sqrt(9 + 16 + 144)
+    assert _grad_norm(torch.nn.Linear(3, 2)) is None  # no gradient yet
+    assert _reports_grad_norm(SimpleNamespace(optimizer=SimpleNamespace(_global_grad_norm=None)))  # ZeRO, FP16, BF16
+    assert not _reports_grad_norm(SimpleNamespace(optimizer=torch.optim.Adam(layer.parameters())))  # stage 0 fp32

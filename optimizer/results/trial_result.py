@@ -280,6 +280,18 @@ def summarize(
     return TrialResult(outcome=Outcome.OK, loss_fidelity=fidelity, **so_far)
 
 
+def wrong_device(rank_reports: Mapping[int, Mapping[str, Any]], *, expected: str) -> str | None:
+    """Why the ranks' results are not the study's (``expected``: ``cuda`` or ``cpu``): the first rank that reports
+    having run on another device, as a trial error's message; None when every report that names a device names
+    ``expected`` (a rank that failed before it knew names none)."""
+    for rank, report in sorted(rank_reports.items()):
+        used = report.get("device")
+        if used is not None and used != expected:
+            return (f"rank {rank} ran on {used}, but the study's hardware.accelerator is {expected}: its figures "
+                    f"are not this study's (is DS_ACCELERATOR or CUDA_VISIBLE_DEVICES set for another device?)")
+    return None
+
+
 def _device(rank_reports: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
     """The device the ranks ran on, from the first report that names one (reports written before the name was
     recorded, and CPU ranks, name none): ``device_name`` and ``device_total_bytes`` for :class:`TrialResult`."""
