@@ -87,9 +87,7 @@ def _formatter(study: StudySpec, *, other: bool = True) -> Callable[[int], str]:
     """Bytes in the unit family the study wrote ``hardware.gpu_memory`` in, the other in brackets (``other``;
     the plan's table leaves it out so that a row fits a terminal's width; its header line names both units)."""
     binary = study.hardware.binary_units
-    if other:
-        return lambda num_bytes: format_bytes(num_bytes, binary=binary)
-    return lambda num_bytes: format_bytes(num_bytes, binary=binary).split(" (", 1)[0]
+    return lambda num_bytes: format_bytes(num_bytes, binary=binary, other=other)
 
 
 def _one(study: StudySpec, candidate: Candidate, args: argparse.Namespace) -> int:
@@ -133,8 +131,8 @@ def _plan_json(study: StudySpec, verdicts: list[Verdict], speeds: dict[str, Step
                 entry["throughput"] = speed_json(speeds.get(entry["label"]))
         return out
     base = baseline_candidate(study.training)
-    baseline = next(v for v in verdicts if v.candidate == base) if any(v.candidate == base for v in verdicts) \
-        else evaluate(candidate=base, model=study.model, hardware=study.hardware, training=study.training)
+    baseline = next((v for v in verdicts if v.candidate == base), None) or evaluate(
+        candidate=base, model=study.model, hardware=study.hardware, training=study.training)
     if baseline.ledger is None:
         out: dict[str, object] = {"candidate": base.knobs(), "label": base.label(), "valid": False, "fits": False,
                                   "reasons": list(baseline.invalid_reasons)}

@@ -183,15 +183,17 @@ def _in_family(num_bytes: int, steps: tuple[tuple[str, int], ...]) -> tuple[str,
     return str(num_bytes), "B"
 
 
-def format_bytes(num_bytes: int, *, binary: bool) -> str:
+def format_bytes(num_bytes: int, *, binary: bool, other: bool = True) -> str:
     """``num_bytes`` in the study's unit family, sized to the figure, with the other family in brackets where the
     two printed figures differ: ``format_bytes(80 * 2**30, binary=True) == '80.00 GiB (85.90 GB)'``,
     ``format_bytes(3 * 10**6, binary=False) == '3.00 MB (2.86 MiB)'``, ``format_bytes(0, binary=True) == '0 B'``.
 
     The family is the one the study wrote ``hardware.gpu_memory`` in (:attr:`HardwareSpec.binary_units`), so a
     figure reads as the user's own budget does; the bracket says the same bytes the other way (GB = 10^9 bytes,
-    GiB = 2^30)."""
+    GiB = 2^30). ``other=False`` leaves the bracket out (a table whose header names both units)."""
     mine = _in_family(num_bytes, _BINARY_STEPS if binary else _DECIMAL_STEPS)
-    other = _in_family(num_bytes, _DECIMAL_STEPS if binary else _BINARY_STEPS)
     text = f"{mine[0]} {mine[1]}"
-    return text if other[0] == mine[0] else f"{text} ({other[0]} {other[1]})"
+    if not other:
+        return text
+    theirs = _in_family(num_bytes, _DECIMAL_STEPS if binary else _BINARY_STEPS)
+    return text if theirs[0] == mine[0] else f"{text} ({theirs[0]} {theirs[1]})"
