@@ -1,21 +1,28 @@
-"""One GPU check, ready to run: a small grid of real trials on this machine's CUDA devices, ledger beside measured.
+"""One GPU check, ready to run: a small grid of real trials on this machine's CUDA devices, ledger beside measured,
+each row asserted.
 
-    python benchmarks/gpu_check.py             # on any CUDA machine: about 5-8 minutes on one H100/H200
+    python benchmarks/gpu_check.py             # on any CUDA machine: about 6 minutes on one H100/H200 (estimated)
+    python benchmarks/gpu_check.py --plan      # the rows, the figure each will check and its band; launches nothing
     python benchmarks/gpu_check.py --dry-run   # the same pipeline on 2 CPU ranks with tiny shapes (what CI runs)
 
-The grid: a built-in GPT of ~150 M parameters (12 × 768, SwiGLU, RMSNorm, RoPE, vocab 32000) at ZeRO 0/2/3 ×
-bf16/fp16 × checkpointing none/full on all visible GPUs (up to 8), two of them again on 1 GPU when there are
-several, and a transformers Llama config (8 × 1024, 16 heads, 4 KV heads, ~200 M) at ZeRO 0/3 × bf16/fp16. Each
-row: the ledger's training and init peaks per GPU against the measured ones (allocated and reserved —
-training's from the first step after ``deepspeed.initialize``), tokens/s, fp16 overflow steps (skipped and
-replayed, not timed) and the loss fidelity against the FP32 reference. Then the fastest ZeRO-3 Llama
-candidate (else the fastest) is exported with ``--hf`` and trained under the Hugging Face Trainer
-(``launchers/workloads/hf_trainer_rank.py``), which must build it partitioned at stage 3 and train a falling loss.
+The grid (:func:`_grid`, 12 rows, + 2 on one GPU when there are several): a built-in GPT of ~150 M parameters
+(12 × 768, SwiGLU, RMSNorm, RoPE, vocab 32000) at ZeRO 0/2/3 × bf16 × checkpointing none/full and three fp16
+rows, and a transformers Llama config (8 × 1024, 16 heads, 4 KV heads, ~200 M) at ZeRO 0/3. Each row is checked
+(:func:`verdict`): the ledger's training and init peaks per GPU against the measured allocated ones — the
+ledger may read at most :data:`UNDER` below and :data:`OVER` above the measurement, the band printed beside
+each figure — and the loss fidelity against an FP32 reference that really ran on the same GPUs (one-GPU rows
+included), within the study's tolerance for the precision. The ledger is the one a study plans with: traced
+activations (:func:`launchers.study_traces.with_traced_activations`), as ``dsopt study run`` takes them. A
+row that is not ``ok``, lacks a figure, or is not launched before ``--minutes`` is a failed row; the script
+exits 1 when any row fails. The DeepSpeed ops the grid needs (FusedAdam) are built before the clock starts.
+Then the fastest ZeRO-3 Llama candidate (else the fastest) is exported with ``--hf`` and trained under the
+Hugging Face Trainer (``launchers/workloads/hf_trainer_rank.py``), which must build it partitioned at stage 3
+and train a falling loss.
 
-``--dry-run`` runs it all on 2 CPU ranks (``DS_ACCELERATOR=cpu``) with tiny shapes and bf16 only (fp16 rows
-are kept: DeepSpeed's CPU accelerator refuses fp16 on most CPUs, which the row records as ``unsupported``);
-the Trainer part runs on one CPU rank in FP32 (the Trainer's CPU mode gives DeepSpeed one process).
-Stops launching once ``--minutes`` have passed and says which rows it skipped. Prints markdown.
+``--dry-run`` runs it all on 2 CPU ranks (``DS_ACCELERATOR=cpu``) with tiny shapes and the same band; an fp16
+row on a CPU that DeepSpeed's CPU accelerator refuses fp16 on is reported ``unsupported`` and not counted as a
+failure there (only there); the Trainer part runs on one CPU rank in FP32 (the Trainer's CPU mode gives
+DeepSpeed one process). Prints markdown.
 """
 
 from __future__ import annotations
@@ -23,12 +30,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import sys
 import tempfile
 import time
 import uuid
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +47,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from launchers.local import LAUNCH_ID_VAR, LaunchPlan, execute, extensions_dir, log_tail  # noqa: E402
+from launchers.study_traces import with_traced_activations  # noqa: E402
 from launchers.trial import ReferenceFailed, reference_losses, run_trial  # noqa: E402
-from optimizer.ledger.core import compute_ledger  # noqa: E402
+from optimizer.ledger.core import Ledger, compute_ledger  # noqa: E402
 from optimizer.results.export import exported_config  # noqa: E402
 from optimizer.results.trial_result import Outcome, TrialResult  # noqa: E402
-from optimizer.study.knobs import with_knobs  # noqa: E402
+from optimizer.study.knobs import Candidate, Precision, with_knobs  # noqa: E402
 from optimizer.study.specs import baseline_candidate  # noqa: E402
 from optimizer.study.study_file import StudySpec, load_study  # noqa: E402
 
 MB = 10**6
+UNDER = Fraction(5, 100)
+"""The ledger may read at most this fraction below a measured peak: an under-count is an OOM on a GPU. Every row
+of the dry run (2 CPU ranks) falls within −2.9 %: the largest is an fp16 GEMM temporary of CPU kernels."""
+OVER = Fraction(10, 100)
+"""The ledger may read at most this fraction above a measured peak (a bound, not a figure, past it)."""
 GPT = {"kind": "transformer", "layers": 12, "hidden_size": 768, "heads": 12, "vocab_size": 32000,
        "tied_embeddings": False, "attention": "fused", "mlp": "swiglu", "norm": "rmsnorm", "bias": False,
        "position_embedding": "rope", "dropout": False}
@@ -57,20 +72,27 @@ LLAMA = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 1024, "inter
 DRY_GPT = {**GPT, "layers": 2, "hidden_size": 64, "heads": 4, "vocab_size": 256}
 DRY_LLAMA = {**LLAMA, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
+Row = tuple[str, int, dict[str, Any]]
 
 
-def _grid(gpus: int) -> list[tuple[str, int, dict[str, Any]]]:
-    """(model, GPUs, knobs) of each row."""
-    rows = [("gpt", gpus, {"zero_stage": stage, "precision": precision, "checkpointing": ckpt})
-            for stage in (0, 2, 3) for precision in ("bf16", "fp16") for ckpt in ("none", "full")]
+def _grid(gpus: int) -> list[Row]:
+    """(model, GPUs, knobs) of each row: every stage and checkpointing in bf16, fp16 where its code differs
+    (FP16_Optimizer at stage 0, loss scaling under ZeRO-2/3), one GPU, and a transformers model."""
+    rows: list[Row] = [("gpt", gpus, {"zero_stage": stage, "precision": "bf16", "checkpointing": ckpt})
+                       for stage in (0, 2, 3) for ckpt in ("none", "full")]
+    rows += [("gpt", gpus, {"zero_stage": 0, "precision": "fp16", "checkpointing": "none"}),
+             ("gpt", gpus, {"zero_stage": 2, "precision": "fp16", "checkpointing": "full"}),
+             ("gpt", gpus, {"zero_stage": 3, "precision": "fp16", "checkpointing": "none"})]
     if gpus > 1:
         rows += [("gpt", 1, {"zero_stage": 0, "precision": "bf16"}), ("gpt", 1, {"zero_stage": 3, "precision": "bf16"})]
-    rows += [("llama", gpus, {"zero_stage": stage, "precision": precision})
-             for stage in (0, 3) for precision in ("bf16", "fp16")]
+    rows += [("llama", gpus, {"zero_stage": 0, "precision": "bf16"}),
+             ("llama", gpus, {"zero_stage": 3, "precision": "bf16"}),
+             ("llama", gpus, {"zero_stage": 3, "precision": "fp16"})]
     return rows
 
 
 def _study(folder: Path, *, model: str, gpus: int, dry: bool) -> StudySpec:
+    """The row's study, with the traced activations a study run plans with."""
     name = f"gpu-check-{model}-{gpus}"
     if model == "llama":
         (folder / "llama.config.json").write_text(json.dumps(DRY_LLAMA if dry else LLAMA))
@@ -82,7 +104,7 @@ def _study(folder: Path, *, model: str, gpus: int, dry: bool) -> StudySpec:
         "name": name,
         "model": model_spec,
         "hardware": {"accelerator": "cpu" if dry else "cuda", "gpus_per_node": gpus,
-                     "gpu_memory": "2 GiB" if dry else f"{_device_memory_gib():.0f} GiB",
+                     "gpu_memory": "2 GiB" if dry else _device_memory(),
                      "device_reserve": "0 GiB" if dry else "1 GiB",
                      **({"supported_precisions": ["fp32", "bf16", "fp16"]} if dry else {})},
         "training": {"global_batch_size": micro * gpus, "micro_batch_size": micro,
@@ -93,30 +115,76 @@ def _study(folder: Path, *, model: str, gpus: int, dry: bool) -> StudySpec:
     }
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
-    return load_study(path)
+    return with_traced_activations(load_study(path))
 
 
-def _device_memory_gib() -> float:
+def _device_memory() -> str:
+    """The device's real capacity, rounded down to a MiB (an H100 "80 GB" exposes about 79.6 GiB)."""
     import torch
 
-    return torch.cuda.get_device_properties(0).total_memory / 2**30
+    return f"{torch.cuda.get_device_properties(0).total_memory // 2**20} MiB"
 
 
 def _mb(value: int | None) -> str:
     return "-" if value is None else f"{value / MB:,.0f}" if value >= 10 * MB else f"{value / MB:,.2f}"
 
 
-def _row(model: str, gpus: int, study: StudySpec, knobs: dict[str, Any], result: TrialResult) -> str:
-    candidate = with_knobs(baseline_candidate(study.training), knobs)
-    label = f"{model} ×{gpus} {candidate.label()}"
+def band(ledger_bytes: int) -> tuple[int, int]:
+    """The measured peaks a ledger figure agrees with: it may read :data:`UNDER` below, :data:`OVER` above."""
+    return math.ceil(ledger_bytes / (1 + OVER)), math.floor(ledger_bytes / (1 - UNDER))
+
+
+def _error(ledger_bytes: int, measured: int | None) -> str:
+    return "-" if not measured else f"{(ledger_bytes - measured) / measured:+.1%}"
+
+
+def verdict(*, ledger: Ledger, result: TrialResult, tolerance: float, fidelity_expected: bool = True) -> list[str]:
+    """Why the row fails (empty: it passes): an outcome other than ``ok``, a missing figure, a measured training
+    or init peak outside the ledger's :func:`band`, a fidelity missing or above ``tolerance``."""
     if result.outcome is not Outcome.OK:
-        return f"| {label} | {result.outcome} | {result.message[:90]} | | | | | | |"
-    ledger = compute_ledger(candidate=candidate, model=study.model, hardware=study.hardware, training=study.training)
+        return [f"outcome {result.outcome}"]
+    problems = []
+    for what, predicted, measured in (("training", ledger.training_bytes, result.training_peak_memory_bytes),
+                                      ("init", ledger.init_bytes, result.init_peak_memory_bytes)):
+        low, high = band(predicted)
+        if not measured:
+            problems.append(f"no measured {what} peak")
+        elif not low <= measured <= high:
+            problems.append(f"{what}: ledger {_error(predicted, measured)} off the measured {_mb(measured)} MB")
+    if fidelity_expected and result.loss_fidelity is None:
+        problems.append("no fidelity")
+    elif result.loss_fidelity is not None and not result.loss_fidelity <= tolerance:
+        problems.append(f"fidelity {result.loss_fidelity:.1e} > {tolerance:.0e}")
+    return problems
+
+
+def _figure(predicted: int) -> str:
+    low, high = band(predicted)
+    return f"{_mb(predicted)} ({_mb(low)}–{_mb(high)})"
+
+
+def _ledger(study: StudySpec, candidate: Candidate) -> Ledger:
+    return compute_ledger(candidate=candidate, model=study.model, hardware=study.hardware, training=study.training)
+
+
+def _row(label: str, ledger: Ledger, result: TrialResult | None, problems: list[str]) -> str:
+    """One markdown row; ``result`` None: planned or skipped, nothing measured."""
+    planned = result is None and not problems
+    check = "-" if planned else "FAIL: " + "; ".join(problems) if problems else \
+        "not checked (this CPU refuses fp16)" if result is not None and result.outcome is Outcome.UNSUPPORTED \
+        else "pass"
+    if result is None or result.outcome is not Outcome.OK:
+        outcome = "planned" if planned else "skipped" if result is None else result.outcome
+        note = "" if result is None else result.message[:90]
+        return (f"| {label} | {outcome} | {_figure(ledger.training_bytes)} | {note} | {_figure(ledger.init_bytes)} "
+                f"| | | | | {check} |")
     fidelity = "-" if result.loss_fidelity is None else f"{result.loss_fidelity:.1e}"
-    return (f"| {label} | ok | {_mb(ledger.training_bytes)} | {_mb(result.training_peak_memory_bytes)} / "
-            f"{_mb(result.training_peak_reserved_bytes)} | {_mb(ledger.init_bytes)} | "
-            f"{_mb(result.init_peak_memory_bytes)} / {_mb(result.init_peak_reserved_bytes)} | "
-            f"{result.tokens_per_s or 0:,.0f} | {result.skipped_steps} | {fidelity} |")
+    train, init = result.training_peak_memory_bytes, result.init_peak_memory_bytes
+    return (f"| {label} | ok | {_figure(ledger.training_bytes)} | {_mb(train)} / "
+            f"{_mb(result.training_peak_reserved_bytes)} ({_error(ledger.training_bytes, train)}) "
+            f"| {_figure(ledger.init_bytes)} | {_mb(init)} / "
+            f"{_mb(result.init_peak_reserved_bytes)} ({_error(ledger.init_bytes, init)}) | "
+            f"{result.tokens_per_s or 0:,.0f} | {result.skipped_steps} | {fidelity} | {check} |")
 
 
 def _hf_trainer(folder: Path, study: StudySpec, knobs: dict[str, Any], *, dry: bool) -> str:
@@ -149,9 +217,24 @@ def _hf_trainer(folder: Path, study: StudySpec, knobs: dict[str, Any], *, dry: b
             f"reserved {_mb(data['peak_reserved_bytes'])} MB")
 
 
+def _prepare_ops(studies: list[StudySpec]) -> None:
+    """Build or load the DeepSpeed ops the grid's candidates need (FusedAdam on CUDA) before the clock starts, as a
+    study's worker does (:func:`launchers.op_prep.prepare_ops`); an op missing here fails its rows."""
+    from launchers.op_prep import prepare_ops
+
+    for study in studies:
+        prepare_ops(spec=study, gpus=None, worker="gpu-check")
+
+
+def _fp16_refused(result: TrialResult, knobs: dict[str, Any], *, dry: bool) -> bool:
+    """An fp16 row a CPU refuses: data on CPU ranks (DeepSpeed's CPU accelerator decides), a failure on a GPU."""
+    return dry and knobs.get("precision") == "fp16" and result.outcome is Outcome.UNSUPPORTED
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="2 CPU ranks, tiny shapes (no GPU needed)")
+    parser.add_argument("--plan", action="store_true", help="print the rows, their figures and bands; run nothing")
     parser.add_argument("--minutes", type=float, default=7.5, help="stop launching after this long")
     parser.add_argument("--rows", type=int, default=None, help="run only the first N rows (tests)")
     parser.add_argument("--only", choices=("gpt", "llama"), default=None, help="run one model's rows")
@@ -159,55 +242,67 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    if not args.dry_run and not torch.cuda.is_available():
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run with --dry-run to check the pipeline on CPU ranks",
               file=sys.stderr)
         return 2
-    gpus = 2 if args.dry_run else min(8, torch.cuda.device_count())
-    device = "2 CPU ranks (dry run)" if args.dry_run else \
-        f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}"
-    started = time.monotonic()
+    gpus = 2 if dry else min(8, torch.cuda.device_count())
+    device = "2 CPU ranks (dry run)" if dry else f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}"
     print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC · {device} · {platform.node()} · torch "
-          f"{torch.__version__} · MB = 10^6 bytes\n")
-    print("| model × GPUs, candidate | outcome | ledger train MB | measured train MB alloc / reserved | "
-          "ledger init MB | measured init MB alloc / reserved | tokens/s | fp16 skipped | fidelity |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"{torch.__version__} · MB = 10^6 bytes · band: the ledger at most {float(UNDER):.0%} under and "
+          f"{float(OVER):.0%} over "
+          f"the measured allocated peak (the measured figure must fall in the brackets)\n")
+    print("| model × GPUs, candidate | outcome | ledger train MB (band) | measured train MB alloc / reserved (error) | "
+          "ledger init MB (band) | measured init MB alloc / reserved (error) | tokens/s | fp16 skipped | fidelity "
+          "| check |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows = [row for row in _grid(gpus) if args.only in (None, row[0])][:args.rows]
     best: tuple[tuple[bool, float], dict[str, Any]] | None = None
-    skipped = []
+    failed = 0
     with tempfile.TemporaryDirectory(prefix="dsopt-gpu-check-") as tmp:
         folder = Path(tmp)
-        studies: dict[tuple[str, int], StudySpec] = {}
+        studies = {(model, n): _study(folder, model=model, gpus=n, dry=dry) for model, n, _ in rows}
+        if not args.plan:
+            _prepare_ops(list(studies.values()))
+        started = time.monotonic()
         references: dict[tuple[str, int], list[float] | None] = {}
         for model, n, knobs in rows:
-            if time.monotonic() - started > args.minutes * 60:
-                skipped.append(f"{model} ×{n} {knobs}")
-                continue
-            if (model, n) not in studies:
-                studies[model, n] = _study(folder, model=model, gpus=n, dry=args.dry_run)
-                try:
-                    references[model, n] = reference_losses(studies[model, n]) if n == gpus else None
-                except ReferenceFailed as failed:
-                    print(f"| {model} ×{n} FP32 reference | {failed} | | | | | | | |")
-                    references[model, n] = None
             study = studies[model, n]
             candidate = with_knobs(baseline_candidate(study.training), knobs)
+            label, ledger = f"{model} ×{n} {candidate.label()}", _ledger(study, candidate)
+            if args.plan:
+                print(_row(label, ledger, None, []))
+                continue
+            if time.monotonic() - started > args.minutes * 60:
+                failed += 1
+                print(_row(label, ledger, None, [f"not launched: past {args.minutes} min"]))
+                continue
+            if (model, n) not in references:
+                try:
+                    references[model, n] = reference_losses(study)
+                except ReferenceFailed as reference_failed:
+                    print(f"FP32 reference of {model} ×{n} failed: {reference_failed}")
+                    references[model, n] = None
             result = run_trial(study=study, candidate=candidate, reference_losses=references[model, n])
-            print(_row(model, n, study, knobs, result))
+            problems = [] if _fp16_refused(result, knobs, dry=dry) else verdict(
+                ledger=ledger, result=result, tolerance=study.trial.tolerance(Precision(knobs["precision"])))
+            failed += bool(problems)
+            print(_row(label, ledger, result, problems))
             sys.stdout.flush()
             if model == "llama" and n == gpus and result.outcome is Outcome.OK:
                 rank = (knobs["zero_stage"] == 3, result.tokens_per_s or 0.0)  # stage 3 shows zero.Init
                 if best is None or rank > best[0]:
                     best = (rank, knobs)
-        if skipped:
-            print(f"\nnot launched (past {args.minutes} min): " + "; ".join(skipped))
-        if not args.skip_hf:
+        if not args.skip_hf and not args.plan:
             if best is None:
                 print("\nHF Trainer run: no Llama candidate measured ok, nothing to export")
             else:
-                print("\n" + _hf_trainer(folder, studies["llama", gpus], best[1], dry=args.dry_run))
-    print(f"\ntotal {time.monotonic() - started:.0f} s")
-    return 0
+                print("\n" + _hf_trainer(folder, studies["llama", gpus], best[1], dry=dry))
+        if not args.plan:
+            print(f"\n{len(rows) - failed} of {len(rows)} rows pass, {failed} fail · total "
+                  f"{time.monotonic() - started:.0f} s after the op build")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

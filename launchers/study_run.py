@@ -19,6 +19,7 @@ Progress is one line per finished trial on stderr (:mod:`launchers.progress`).
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -29,11 +30,13 @@ from dataclasses import dataclass
 import optuna
 
 from launchers.artifacts import default_store_dir, uploader
+from launchers.op_prep import prepare_ops
 from launchers.progress import Progress, ProgressMode
 from launchers.trial import reference_key, reference_losses, run_trial, trial_dir_for
 from optimizer.ledger.core import evaluate
 from optimizer.ledger.items import Location
 from optimizer.perf.hardware_profiles import profile_mismatch
+from optimizer.results.device_budget import capacity_note
 from optimizer.results.trial_result import StopAbove, TrialResult
 from optimizer.search.coordination import (
     CREATED_ATTR,
@@ -46,6 +49,13 @@ from optimizer.search.coordination import (
     budget_spent,
     now_utc,
     worker_id,
+)
+from optimizer.search.device_attrs import (
+    measured_capacity,
+    record_measured_capacity,
+    record_measured_reserve,
+    record_result_json,
+    study_planning_spec,
 )
 from optimizer.search.next_launch import Option, final_keys, options
 from optimizer.search.objective import POLICY_MARK, LaunchGate, TrialFailed, make_objective, open_study, seed_study
@@ -163,10 +173,19 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are data: our progress line reports them
     study = open_study(spec=spec, storage=storage, sampler=sampler)
     spec = with_traced_activations(spec)  # once the storage is known to be reachable; cached by content
+    if runner is None:  # DeepSpeed's ops, once per node before any launch; drops what this node cannot build
+        spec = prepare_ops(spec=spec, gpus=gpus, worker=worker)
     losses = setup_study(study=study, spec=spec, space=space, worker=worker,
                          reference=reference or (lambda: reference_losses(spec, gpus=gpus)),
                          reference_launches=(lambda: 0) if reference is not None
                          else (lambda: 0 if reference_cached(spec) else 1))
+    reference_result = spec.output_dir / "reference" / "result.json"  # the FP32 reference: the first launch
+    if runner is None and reference_result.is_file():
+        record_result_json(study, json.loads(reference_result.read_text()))
+    stated = spec
+    spec = study_planning_spec(stated, study)  # the measured device reserve and capacity (results/device_budget.py)
+    capacity_said: list[str] = []
+    say_capacity(stated, study, said=capacity_said, worker=worker)
 
     mismatch_said: list[str] = []  # a device unlike hardware.profile: said once
 
@@ -179,6 +198,9 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
                            step_s=None if isinstance(step, str) else step.total_s, gpus=gpus,
                            stop_above=stop_above(spec, candidate))
         say_profile_mismatch(spec, result, said=mismatch_said, worker=worker)
+        record_measured_reserve(study, result)
+        record_measured_capacity(study, result)
+        say_capacity(stated, study, said=capacity_said, worker=worker)
         return result
 
     fail_stale = _fail_stale if storage_kind(storage) is StorageKind.POSTGRESQL else None
@@ -207,6 +229,14 @@ def say_profile_mismatch(spec: StudySpec, result: TrialResult, *, said: list[str
     if why is not None:
         said.append(why)
         _say(worker, f"warning: {why}")
+
+
+def say_capacity(stated: StudySpec, study: optuna.Study, *, said: list[str], worker: str) -> None:
+    """Once per worker: the study's gpu_memory is more than the device has (it plans with the device's)."""
+    note = None if said else capacity_note(stated.hardware, measured_total_bytes=measured_capacity(study))
+    if note is not None:
+        said.append(note)
+        _say(worker, f"warning: {note}")
 
 
 def reference_cached(spec: StudySpec) -> bool:

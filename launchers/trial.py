@@ -1,7 +1,8 @@
 """One candidate in, one classified and measured :class:`~optimizer.results.trial_result.TrialResult` out.
 
 Writes everything a trial used and produced under its folder (``studies/<name>/trials/<candidate>/``):
-``ds_config.json`` (the builder's output, as launched), ``plan.json`` (what the ranks were told),
+``ds_config.json`` (the builder's output, the study's ``nvme_path`` included), ``plan.json`` (what the ranks were
+told: the same config, but NVMe offload swaps in the launch's own folder, :mod:`launchers.nvme_folder`),
 ``log.txt`` (the launcher's and ranks' output), ``rank<r>.json`` (each rank's report) and
 ``result.json`` (the result, the library versions it ran under — :func:`optimizer.deepspeed.versions.installed_versions`
 — and what :class:`launchers.host_watch.HostWatch` saw of host memory, from which a launch the kernel's OOM
@@ -29,8 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from launchers.host_watch import HostWatch
-from launchers.local import LAUNCH_ID_VAR, build_launch_plan, execute, extensions_dir, free_port, log_tail
+from launchers.local import LAUNCH_ID_VAR, LaunchPlan, build_launch_plan, execute, extensions_dir, free_port, log_tail
 from launchers.node_share import WorkerSlot, gpu_slice, read_cpu_allowance, visible_gpus, worker_slot
+from launchers.nvme_folder import create_folders, per_launch_config, remove_folders
+from launchers.op_needs import missing_here, missing_reason
 from optimizer.deepspeed.config import build_ds_config
 from optimizer.deepspeed.versions import installed_versions, warn_deepspeed_mismatch
 from optimizer.ledger.constraints import invalid_reasons
@@ -151,6 +154,22 @@ def predicted_step_s(study: StudySpec, candidate: Candidate) -> float | None:
     return None if isinstance(step, str) else step.total_s
 
 
+def trial_launch_plan(study: StudySpec, *, plan_path: Path, out_dir: Path, launch_id: str,
+                      gpus: Sequence[str] | None, slurm_nodes: int | None = None) -> LaunchPlan:
+    """The launch plan of one trial of ``study`` (:func:`launchers.local.build_launch_plan`): its environment is
+    also the one the study's DeepSpeed ops are built in (:mod:`launchers.op_prep`)."""
+    nodes = study.hardware.nodes
+    return build_launch_plan(
+        python=sys.executable, ranks=study.hardware.gpus_per_node,
+        cpu_ranks=study.hardware.accelerator is Accelerator.CPU,
+        master_port=free_port(), plan_path=plan_path, out_dir=out_dir, base_env=os.environ,
+        pythonpath=[str(PACKAGE_ROOT), str(study.path.parent.resolve())], cwd=PACKAGE_ROOT,
+        cpu_count=read_cpu_allowance(), launch_id=launch_id, extensions_dir=extensions_dir(),
+        parent_pid=os.getpid(), nodes=nodes, head_host=socket.gethostname() if nodes > 1 else "127.0.0.1",
+        slurm_nodes=slurm_nodes, gpus=gpus if nodes == 1 else None, cpus_per_task=study.slurm.cpus_per_task,
+    )
+
+
 def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None = None,
               reference_losses: list[float] | None = None, ds_config: dict[str, Any] | None = None,
               slurm_nodes: int | None = None, step_s: float | None = None,
@@ -167,6 +186,9 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
     ``stop_above``: the per-rank peaks above which the ranks stop at once (an ``oom`` with ``stopped_at`` and what
     was measured until then; ``launchers/workloads/trial_rank.py``); it goes into ``plan.json`` only, not into
     :func:`rank_plan`, whose output keys the FP32 reference (:func:`reference_key`), which never gets one.
+    A candidate that needs a DeepSpeed op this process's preparation found missing on this node
+    (:mod:`launchers.op_prep`) is ``invalid``, never launched. NVMe offload swaps in a folder of the launch's own
+    (:mod:`launchers.nvme_folder`), removed once the launch ended.
     """
     reasons = invalid_reasons(candidate=candidate, model=study.model, hardware=study.hardware,
                               training=study.training)
@@ -177,6 +199,9 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
     problem = multi_node_problem(study, slurm_nodes=slurm_nodes)
     if problem:
         return TrialResult(outcome=Outcome.INVALID, message=problem)
+    accelerator = study.hardware.accelerator
+    if why := missing_reason(candidate, accelerator=accelerator, missing=missing_here(accelerator)):
+        return TrialResult(outcome=Outcome.INVALID, message=why)  # an op this node cannot build: never launched
     trial_dir = trial_dir or trial_dir_for(study, candidate)
     trial_dir.mkdir(parents=True, exist_ok=True)
     for stale in trial_dir.glob("rank*.json"):
@@ -187,26 +212,27 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
     if stop_above is not None:  # after rank_plan: the reference's key stays what it was
         plan["stop_above"] = stop_above.to_plan()
     (trial_dir / "ds_config.json").write_text(json.dumps(plan["config"], indent=2) + "\n")
+    launch_id = uuid.uuid4().hex
+    plan["config"], nvme = per_launch_config(plan["config"], launch_id=launch_id, cwd=Path.cwd())  # its own swap
     (trial_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
     ranks = study.hardware.world_size
-    nodes = study.hardware.nodes
-    launch = build_launch_plan(
-        python=sys.executable, ranks=study.hardware.gpus_per_node,
-        cpu_ranks=study.hardware.accelerator is Accelerator.CPU,
-        master_port=free_port(), plan_path=trial_dir / "plan.json", out_dir=trial_dir, base_env=os.environ,
-        pythonpath=[str(PACKAGE_ROOT), str(study.path.parent.resolve())], cwd=PACKAGE_ROOT,
-        cpu_count=read_cpu_allowance(), launch_id=uuid.uuid4().hex, extensions_dir=extensions_dir(),
-        parent_pid=os.getpid(), nodes=nodes, head_host=socket.gethostname() if nodes > 1 else "127.0.0.1",
-        slurm_nodes=slurm_nodes, gpus=gpus if nodes == 1 else None, cpus_per_task=study.slurm.cpus_per_task,
-    )
+    launch = trial_launch_plan(study, plan_path=trial_dir / "plan.json", out_dir=trial_dir, launch_id=launch_id,
+                               gpus=gpus, slurm_nodes=slurm_nodes)
     log_path = trial_dir / "log.txt"
     record = {"launch_id": launch.env[LAUNCH_ID_VAR], "candidate": candidate.knobs(), "worker": worker_id(),
               "trial_dir": str(trial_dir)}
     timeout_s = study.trial.timeout_for(step_s if step_s is not None else predicted_step_s(study, candidate))
+    try:
+        create_folders(nvme)
+    except OSError as err:
+        return TrialResult(outcome=Outcome.CRASH, message=f"the launch's NVMe swap folder could not be made: {err}")
     append_launch_record(study, {**record, "event": "start", "at": now_utc().isoformat(), "timeout_s": timeout_s})
     warn_deepspeed_mismatch()
-    with HostWatch() as host:  # the kernel's OOM kills and host memory in use while the ranks run
-        run = execute(launch, timeout_s=timeout_s, log_path=log_path)
+    try:
+        with HostWatch() as host:  # the kernel's OOM kills and host memory in use while the ranks run
+            run = execute(launch, timeout_s=timeout_s, log_path=log_path)
+    finally:  # every rank is gone by now (execute leaves none): their swap files go too
+        remove_folders(nvme)
     reports = {}
     for rank in range(ranks):
         path = trial_dir / f"rank{rank}.json"

@@ -119,12 +119,13 @@ def test_the_margin_shrinks_to_what_the_study_measured_of_its_ledger(seed):
 
 
 def test_on_cpu_ranks_the_prior_keeps_a_tenth_of_a_counted_need_free(repo_root):
-    # cpu-tiny's z0 bf16 peaks in the optimizer step: model states only, nothing estimated; the prior still
-    # keeps 10 % free (PRIOR_MARGIN_CPU: a whole-need miss of 8.4 % was measured on CPU ranks).
+    # cpu-tiny's z0 bf16 peaks in the optimizer step: model states and, estimated, the allreduce flatten gloo may
+    # free late (2Ψ = 241,152 B, Ψ = 120,576); the prior keeps 10 % of the whole need free all the same
+    # (PRIOR_MARGIN_CPU: a whole-need miss of 8.4 % was measured on CPU ranks), more than a quarter of 2Ψ.
     tiny = load_study(repo_root / "studies" / "cpu-tiny.yaml")
     base = replace(baseline_candidate(tiny.training), precision=Precision.BF16)
     ledger = evaluate(candidate=base, model=tiny.model, hardware=tiny.hardware, training=tiny.training).ledger
-    assert ledger.estimated_bytes == 0 and PRIOR_MARGIN_CPU == 0.10
+    assert ledger.estimated_bytes == 241_152 and PRIOR_MARGIN_CPU == 0.10
     need = ledger.training_needed_bytes
     assert _launchable(_on(tiny, budget=math.ceil(need * 1.1)), _models(tiny), base)
     assert not _launchable(_on(tiny, budget=math.ceil(need * 1.1) - 1), _models(tiny), base)

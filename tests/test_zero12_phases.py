@@ -7,7 +7,10 @@ the host; on CPU ranks gloo's all-gather after the step allocates the gathered p
 Every figure below is worked by hand for grid-cpu's model (2 layers, h = 64, 4 heads, vocab 256, tied head,
 learned positions of 64): Ψ = 2 · (4·(64² + 64) + 2·2·64 + 64·256 + 256 + 256·64 + 64) + 256·64 + 64·64 + 2·64
 = 120,576 on 2 ranks, P = Ψ/2 = 60,288, the largest tensor Lₜ = 64·256 = 16,384 elements, the bucket
-B = 64² = 4,096 elements, the ZeRO-2 partition Σ = P + one straddling Lₜ = 76,672 elements; fp32 (4 bytes).
+B = 64² = 4,096 elements; fp32 (4 bytes). The gradient partition Σ is what the worst rank owns in full: block 0
+(49,984 elements: 2·64 + 4·(64² + 64) + 2·64 + 64·256 + 256 + 256·64 + 64) starts after the embeddings at
+16,384 + 4,096 = 20,480, and its proj weight spans [54,016, 70,400), across rank 1's start P = 60,288 — rank 0
+owns [0, 70,400), rank 1 [54,016, 120,576) = 66,560: Σ = 70,400 elements (stage_1_and_2.py:2596-2600).
 The traced activations are stated (not traced): the rule, not the trace, is under test here.
 """
 
@@ -28,7 +31,7 @@ from optimizer.study.traced_activation import TracedActivation
 
 ROOT = Path(__file__).resolve().parents[1]
 ALWAYS = 4 * 120_576 + 4 * 60_288 + 8 * 60_288  # flat fp32 parameters, fp32 master partition, Adam's two states
-SIGMA = 4 * 76_672  # the gradient partition
+SIGMA = 4 * 70_400  # the gradient partition
 BUCKET = 4 * 4_096
 LARGE = 4 * 16_384  # a gradient larger than the bucket, reduced in place
 BEFORE = {2: 1_100_000, 4: 2_000_000}  # stated: activations before the first gradient, per micro-batch

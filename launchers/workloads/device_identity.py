@@ -3,7 +3,9 @@
 The study loop compares them with the study's ``hardware.profile``
 (:func:`optimizer.perf.hardware_profiles.profile_mismatch`), so speed figures for one GPU are not silently
 used on another. ``torch.cuda.get_device_name`` and ``torch.cuda.get_device_properties(dev).total_memory``
-are PyTorch's (``torch/cuda/__init__.py``); CPU ranks report None for both.
+are PyTorch's (``torch/cuda/__init__.py``); CPU ranks report None for both. The total is also the device's real
+capacity: a study plans with the smaller of it and its ``gpu_memory``
+(:func:`optimizer.results.device_budget.capacity_budget`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ Started by :mod:`launchers.local` under ``torch.distributed.run`` (one process p
   batches are built before its clock starts — the loss of every attempted step (mean over ranks and
   micro-batches), the gradient norm, whether the step was applied and the fp16 loss scale after it
   (:mod:`optimizer.results.loss_scaling`: an overflowed step is skipped, its batch replayed, and not timed).
-  The model is built as ``plan["construction"]`` says (:mod:`launchers.workloads.construction`);
+  The model is built as ``plan["construction"]`` says (:mod:`launchers.workloads.construction`). CUDA ranks also
+  report the process's device use as the driver sees it, sampled at those check points
+  (:mod:`launchers.workloads.device_memory`: ``device_used_*``, ``device_non_torch_*``; None on CPU ranks);
 * stopped over the budget (``plan["stop_above"]``, :class:`~optimizer.results.trial_result.StopAbove`): status
   ``over_budget``, the same report with what was measured until then (peaks as far as known, the losses and
   step times so far, ``init_s``), ``stopped_at`` (``"init"`` or ``"step N"``, N the 0-based attempted step after
@@ -51,6 +53,7 @@ from launchers.orphan_guard import die_with_parent
 from launchers.workloads.builtin import build_workload
 from launchers.workloads.cpu_memory import LivePeaks, start_cpu_profiler, stop_cpu_profiler
 from launchers.workloads.device_identity import device_identity
+from launchers.workloads.device_memory import DeviceMemory
 from optimizer.results.loss_scaling import StepKind, min_loss_scale, skip_allowance, step_kind
 from optimizer.results.trial_result import INIT_STOP, OVER_BUDGET, StopAbove
 
@@ -217,10 +220,12 @@ def _cpu_stop(stop: StopAbove, peaks: LivePeaks, *, attempted: int) -> tuple[dic
 
 
 def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
+    cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device_memory = DeviceMemory.open(cuda=cuda, index=local)  # before CUDA is touched: NVML's baseline
     import deepspeed
 
     world = int(os.environ["WORLD_SIZE"])
-    cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
     config = plan["config"]
     micro, accumulation = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
     warmup, measured = plan["warmup_steps"], plan["measured_steps"]
@@ -231,7 +236,6 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
 
     profiler = None
     if cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
         torch.cuda.reset_peak_memory_stats()
@@ -264,6 +268,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
     if cuda:
         init_peaks = {"init_peak_allocated_bytes": int(torch.cuda.max_memory_allocated()),
                       "init_peak_reserved_bytes": int(torch.cuda.max_memory_reserved())}
+        device_memory.sample(init=True)
     if cuda and stop is not None:
         over = _over_limit(stop, init_peak=init_peaks["init_peak_reserved_bytes"], training_peak=None)
         stopped_at = _agreed_stop(over, attempted=0, device=engine.device)
@@ -309,6 +314,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
+        device_memory.sample()  # outside the timed window
         dist.all_reduce(total)
         mean_loss = float(total) / (accumulation * world)
         norm = engine.get_global_grad_norm()
@@ -360,6 +366,8 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
     }
     if cuda:  # training's peaks since the reset after init (none when stopped there); init's pool is in them
         trained = stopped_at != INIT_STOP
+        if trained:
+            device_memory.sample()
         result["training_peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated()) if trained else None
         result["training_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved()) if trained else None
         result["peak_allocated_bytes"] = max(result["training_peak_allocated_bytes"] or 0,
@@ -375,6 +383,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
         build_peak = peaks.until[BUILD_MARK]
         result["peak_reserved_bytes"] = None
     result["build_peak_allocated_bytes"] = build_peak
+    result.update(device_memory.report())
     engine.destroy()
     return result
 

@@ -7,8 +7,9 @@ checked tensor by tensor on CPU ranks; file:line references are to DeepSpeed 0.1
 * Ψ parameters, N data-parallel ranks, g bytes per element of the training dtype (fp32 4,
   bf16/fp16 2; DeepSpeed's gradient-accumulation and communication dtypes default to it);
 * P = Ψ₁₂/N, the ZeRO-1/2 partition, Ψ₁₂ = Ψ padded to a multiple of 2N (``stage_1_and_2.py:387,441``);
-* Σ = P + (parameters straddling the partition boundary, counted in full) ≤ P + 2·Lₜ
-  (``grads_in_partition``, ``stage_1_and_2.py:2186-2194``), Lₜ the largest parameter tensor;
+* Σ = the worst rank's P widened to whole tensors at both edges of its range, from the model's parameter order
+  (``grads_in_partition``, ``stage_1_and_2.py:2184-2194``; :func:`optimizer.ledger.transformer.zero12_partition`),
+  Lₚ the largest part of one tensor inside one rank's range (≤ min(Lₜ, P)), Lₜ the largest parameter tensor;
 * Q = Σₚ ⌈nₚ/N⌉, the ZeRO-3 partition (``partition_parameters.py:1690-1696``); S = min(Q, sub_group_size);
 * K persistent (never partitioned) elements, LL the largest module, B the reduce bucket, T the tied weights'
   extra copies a model is built with before they are tied (elements).
@@ -44,6 +45,7 @@ from optimizer.ledger.transformer import (
     persistent_parameters,
     tied_copy_elements,
     zero3_partition_elements,
+    zero12_partition,
 )
 from optimizer.study.knobs import Candidate, OffloadDevice, Precision, ZeroStage
 from optimizer.study.specs import Accelerator, HardwareSpec, TrainingSpec, TransformerModel
@@ -58,7 +60,8 @@ ADAM_STATE_BYTES = 8
 STAGE0_ALLREDUCE_ELEMENTS = 500_000_000
 """``MEMORY_OPT_ALLREDUCE_SIZE`` (``engine.py:151``): stage 0 flattens gradients in chunks this large."""
 OFFLOAD_NORM_CHUNK = 250_000_000
-"""ZeRO-3 offload grad-norm works on fp64 chunks of at most this many elements (``stage3.py:1960-1967``)."""
+"""ZeRO-3's ``_constant_buffered_norm2`` converts at most this many elements to fp64 at once
+(``stage3.py:1960-1967``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,6 +74,7 @@ class _Sizes:
     padded: int
     p: int
     sigma: int
+    piece: int
     q: int
     s: int
     k: int
@@ -88,11 +92,11 @@ def _sizes(*, model: TransformerModel, candidate: Candidate, hardware: HardwareS
     padded = -(-psi // (2 * n)) * (2 * n)
     p = padded // n
     largest_tensor = largest_tensor_parameters(model)
-    straddlers = min(2, n - 1)
+    flat = zero12_partition(model, ranks=n)
     q = zero3_partition_elements(model, ranks=n)
     return _Sizes(
         psi=psi, n=n, g=candidate.precision.bytes_per_element, padded=padded, p=p,
-        sigma=min(psi, p + straddlers * largest_tensor), q=q, s=min(q, settings.sub_group_size),
+        sigma=flat.held, piece=flat.largest_piece, q=q, s=min(q, settings.sub_group_size),
         k=persistent_parameters(model, threshold=settings.param_persistence_threshold),
         largest_tensor=largest_tensor, largest_module=largest_layer_parameters(model),
         tied=tied_copy_elements(model), bucket=settings.reduce_bucket_elements,
@@ -112,7 +116,7 @@ def _item(name: str, category: Category, location: Location, num_bytes: int, for
                       source=source, phase=phase)
 
 
-def _stage0(z: _Sizes, precision: Precision, *, joined: bool) -> list[LedgerItem]:
+def _stage0(z: _Sizes, precision: Precision, *, joined: bool, gloo: bool = False) -> list[LedgerItem]:
     """Stage 0: FusedAdam directly (fp32), or ``FP16_Optimizer`` with a flat FP32 master (bf16/fp16). With
     ``joined`` the gradients autograd makes during backward are in the traced joint line, so the full ones are
     counted after backward only (``engine.py:3495-3500`` sets every ``.grad`` to None after the step)."""
@@ -129,6 +133,10 @@ def _stage0(z: _Sizes, precision: Precision, *, joined: bool) -> list[LedgerItem
         _item("allreduce flatten (≤ 5e8 + Lₜ elements)", Category.BUFFERS, Location.GPU, flatten,
               f"{g}·min(Ψ, 5e8 + Lₜ)", f"{DS} engine.py:3073-3095 (MEMORY_OPT_ALLREDUCE_SIZE)", Phase.REDUCE),
     ]
+    if gloo:  # gloo's work object holds the flattened tensor and may drop it on its own thread after the step
+        # began: the same 2-rank candidate measured 3.94 and 4.27 MB in two runs, 2Ψ apart (docs/ledger.md).
+        items.append(_item("allreduce flatten, freed late on gloo's thread", Category.BUFFERS, Location.GPU, flatten,
+                           f"{g}·min(Ψ, 5e8 + Lₜ)", f"{DS} engine.py:3073-3095; gloo", Phase.STEP))
     if precision is not Precision.FP32:
         items += [
             _item("fp32 master weights (flat)", Category.MASTER_WEIGHTS, Location.GPU, FP32 * psi, "4Ψ",
@@ -168,6 +176,7 @@ def _stage12(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, joined:
             items.append(_item(f"{prec} gradients (full, until reduced)", Category.GRADS, Location.GPU,
                                g * z.psi, f"{g}Ψ", f"{STAGE12}:1067", phase))
     state_place = Location.HOST if offload else Location.GPU
+    reduce_phase = Phase.BACKWARD if not stage1 else Phase.REDUCE
     items += [
         _item("fp32 master partition", Category.MASTER_WEIGHTS, state_place, FP32 * p, "4P",
               f"{STAGE12}:560 (.clone(), also in fp32 training)"),
@@ -184,17 +193,20 @@ def _stage12(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, joined:
                   g * z.largest_tensor, f"{g}Lₜ", f"{STAGE12}:653-658"),
             _item("temp_grad_buffer_for_gpu_offload", Category.BUFFERS, Location.GPU, g * z.largest_tensor,
                   f"{g}Lₜ", f"{STAGE12}:659-661"),
-            _item("per-tensor fp32/fp64 temporaries in step", Category.BUFFERS, Location.GPU,
-                  12 * z.largest_tensor, "12Lₜ", f"{STAGE12}:2684-2686", Phase.STEP),
+            # The norm is taken on the device per parameter as its gradient leaves for the host at the boundary
+            # (copy_grads_in_partition, :2161-2176): its piece in range in fp64 (:1886), then, that freed, the
+            # piece's fp32 copy (:1900; 4Lₚ, none in fp32 training). The step sums the stored norms (:1914-1954)
+            # and updates on the host (:3078-3099): nothing of the parameters' size on the device.
+            _item("fp64 norm of one parameter's piece of the partition (at the boundary)", Category.BUFFERS,
+                  Location.GPU, 8 * z.piece, "8Lₚ", f"{STAGE12}:1873-1886, 1900, 2161-2176", reduce_phase),
         ]
         if z.gas > 1 and not stage1:
             # Kept per parameter in a dict that is never cleared (:1852-1853). Stage 1 reduces at the boundary
             # only (:2293-2295), after the last micro-batch's backward, so nothing accumulates on the host (a
             # profiled 2-rank stage-1 run with GAS = 4 made no allocation there).
             items.append(_item("accumulated gradients on host (GAS > 1, pinned)", Category.GRADS, Location.HOST,
-                               g * sigma, f"{g}Σ", f"{STAGE12}:1822-1826, 1852-1853"))
+                               g * sigma, f"{g}Σ", f"{STAGE12}:1820-1826, 1853 (every tensor the rank owns, in full)"))
         return items
-    reduce_phase = Phase.BACKWARD if not stage1 else Phase.REDUCE
     if not stage1 and split and z.gas > 1:
         # The partition the earlier micro-batches filled is live when the next one's forward starts.
         items.append(_item(f"{prec} gradient partition of the earlier micro-batches (GAS > 1)", Category.GRADS,
@@ -216,10 +228,12 @@ def _stage12(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, joined:
     return items
 
 
-def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, replayed: int = 0) -> list[LedgerItem]:
+def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, replayed: int = 0,
+            device_is_host: bool = False) -> list[LedgerItem]:
     """ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``) with optimizer and/or parameter offload. ``replayed``: the
     parameter elements the traced replay of DeepSpeed's coordinator keeps gathered at once (0: not traced,
-    the largest module twice + one prefetch bucket + the reuse window instead)."""
+    the largest module twice + one prefetch bucket + the reuse window instead). ``device_is_host`` (CPU ranks):
+    moving a host gradient partition "to the device" makes no copy."""
     g, q = z.g, z.q
     prec = candidate.precision
     opt = candidate.offload_optimizer
@@ -242,7 +256,15 @@ def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, replayed
                            Category.PARAMS, _place(param), g * q, f"{g}Q", f"{STAGE3}:906-907, 970-973"))
     items.append(_item(f"persistent parameters (≤ {settings.param_persistence_threshold:,} elements each)",
                        Category.PARAMS, Location.GPU, g * z.k, f"{g}K", f"{DS} parameter_offload.py:317-330"))
-    if replayed:
+    if z.n == 1 and param is OffloadDevice.NONE:
+        # One rank: "gathering" points each parameter at its device partition, a view (NoGatherHandle,
+        # partition_parameters.py:61-75, taken at :1559-1560 when every partition's world size is 1).
+        items += [
+            _item("parameters gathered (one rank: views of the partition, no copy)", Category.BUFFERS, Location.GPU,
+                  0, "0", f"{DS} partition_parameters.py:61-75, 1559-1560", Phase.BACKWARD),
+            _item("full gradient of the module at hand", Category.BUFFERS, Location.GPU, g * z.largest_module,
+                  f"{g}·LL", f"{DS} partition_parameters.py:1329-1346", Phase.BACKWARD)]
+    elif replayed:
         # DeepSpeed's coordinator replayed over the traced module order: its prefetch marks keep parameters
         # gathered from their forward use to their backward one; at most max_live + one module past it.
         gathered = min(replayed, settings.max_live_parameters + z.largest_module)
@@ -284,10 +306,7 @@ def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, replayed
                   f"{STAGE3}:2686-2687, 2456-2457", Phase.STEP),
         ]
         return items
-    items.append(_item("per-bucket gradient copies on their way to the host", Category.BUFFERS, Location.GPU,
-                       (g + FP32) * -(-z.bucket // z.n), f"({g}+4)·B/N", f"{STAGE3}:1457, 2028", Phase.BACKWARD))
-    items.append(_item("fp64 grad-norm chunks", Category.BUFFERS, Location.HOST, 8 * min(q, OFFLOAD_NORM_CHUNK),
-                       "8·min(Q, 2.5e8)", f"{STAGE3}:1960-1967", Phase.STEP))
+    items += _offload_boundary_items(z, opt, device_is_host=device_is_host)
     if opt is OffloadDevice.CPU:
         items += [
             _item("fp32 master partition", Category.MASTER_WEIGHTS, Location.HOST, FP32 * q, "4Q",
@@ -308,6 +327,35 @@ def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, replayed
         _item("optimizer swap buffers (buffer_count × S, fp32, page-locked)", Category.BUFFERS, Location.HOST,
               DEEPSPEED_OPTIMIZER_SWAP_BUFFERS * FP32 * z.s, "4·4S", f"{DS} swap_tensor/optimizer_utils.py:184-192"),
     ]
+    return items
+
+
+def _offload_boundary_items(z: _Sizes, opt: OffloadDevice, *, device_is_host: bool) -> list[LedgerItem]:
+    """ZeRO-3 with the optimizer offloaded: at the accumulation boundary (in the last micro-batch's backward),
+    ``partition_grads`` takes each parameter's reduced partition, x = ⌈nₚ/N⌉ elements, in turn
+    (``stage3.py:2006-2053``): a device copy of it (``:2022-2028, 2034``, ``.to`` the device: none on CPU ranks), its
+    fp64 norm (``_offload_grad_partition_at_boundary``, ``:1446``, in chunks of ≤ 2.5e8 elements, ``:1960-1967``),
+    then, that freed, its fp32 copy for the host (``:1457``; none in fp32 training). The next parameter's copy
+    replaces it; a parameter larger than the bucket is reduced alone (``:1583, 1626``), so x ≤ ⌈Lₜ/N⌉. The step
+    only sums the stored norms (``:1975-2004``). With NVMe the fp32 copies of one reduction are kept in a list
+    until they are swapped out together (``:1449-1453, 2053``): at most ⌈max(B, Lₜ)/N⌉ elements, read from the
+    source, not measured (in fp32 training it holds the device copies themselves: the current one is counted
+    twice here)."""
+    g = z.g
+    x = -(-z.largest_tensor // z.n)
+    copy = 0 if device_is_host else g * x
+    cast = FP32 * x if g != FP32 else 0
+    norm = 8 * min(x, OFFLOAD_NORM_CHUNK)
+    chunked = "" if x <= OFFLOAD_NORM_CHUNK else " (fp64 in chunks of 2.5e8)"
+    formula = ("" if device_is_host else f"{g}·⌈Lₜ/N⌉ + ") + ("8·⌈Lₜ/N⌉" if norm >= cast else "4·⌈Lₜ/N⌉") + chunked
+    items = [_item("one parameter's gradient partition at the boundary + its fp64 norm", Category.BUFFERS,
+                   Location.GPU, copy + max(norm, cast), formula, f"{STAGE3}:1443-1457, 1960-1967, 2022-2044",
+                   Phase.BACKWARD)]
+    if opt is OffloadDevice.NVME:
+        held = -(-max(z.bucket, z.largest_tensor) // z.n)
+        items.append(_item("fp32 gradient copies of one reduction, kept for the swap-out", Category.BUFFERS,
+                           Location.GPU, FP32 * held, "4·⌈max(B, Lₜ)/N⌉", f"{STAGE3}:1449-1453, 2053",
+                           Phase.BACKWARD))
     return items
 
 
@@ -341,9 +389,11 @@ def transformer_items(
     traced = usable_trace(model, candidate)
     split = stage is ZeroStage.GRADIENTS and traced is not None and bool(traced.split_points)
     if stage is ZeroStage.DISABLED:
-        items = _stage0(z, candidate.precision, joined=joined)
+        items = _stage0(z, candidate.precision, joined=joined,
+                        gloo=hardware.accelerator is Accelerator.CPU and z.n > 1)
     elif stage is ZeroStage.PARAMETERS:
-        items = _stage3(z, candidate, settings, replayed=traced.zero3_gathered if traced is not None else 0)
+        items = _stage3(z, candidate, settings, replayed=traced.zero3_gathered if traced is not None else 0,
+                        device_is_host=hardware.accelerator is Accelerator.CPU)
     else:
         items = _stage12(z, candidate, settings, joined=joined, split=split,
                          gloo=hardware.accelerator is Accelerator.CPU)

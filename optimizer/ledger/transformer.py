@@ -136,6 +136,52 @@ def largest_tensor_parameters(model: TransformerModel) -> int:
     return max(t.numel for t in parameter_tensors(model))
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FlatPartition:
+    """How ZeRO-1/2's flat parameter buffer splits over the ranks, from the model's parameter order."""
+
+    held: int
+    """Σ: elements of the tensors the worst rank counts as its own (``params_in_partition``), in full."""
+    largest_piece: int
+    """Elements of the largest part of one tensor inside one rank's range (DeepSpeed's ``num_elements``)."""
+
+
+@lru_cache(maxsize=64)
+def zero12_partition(model: TransformerModel, *, ranks: int) -> FlatPartition:
+    """Σ and the largest piece of ZeRO-1/2's partition, over the tensors of :func:`parameter_tensors` in order.
+
+    DeepSpeed 0.19.8 flattens the group's tensors in ``model.parameters()`` order (``stage_1_and_2.py:429-433``;
+    ``round_robin_gradients`` and ``parameter_alignment`` are off by default, ``config.py:309, 317``, and dsopt
+    sets neither: no reordering at ``:469-474``, no padding between tensors at ``:444, 496``), pads the whole to
+    a multiple of 2N (``:441, 505``) and gives each rank P = padded/N elements (``:586``). Rank r owns the tensors
+    that start in [rP, (r+1)P) or start before rP and cross it (``get_partition_info``, ``:2596-2600``);
+    ``grads_in_partition`` and offload's accumulation buffers hold those tensors in full (``:2184-2194``,
+    ``:1824``), offload's gradient norm works on each one's part in range (``get_grad_position``, ``:1740-1762``).
+    The ledger is per rank: the worst rank's Σ.
+    """
+    sizes = [t.numel for t in parameter_tensors(model)]
+    padded = -(-sum(sizes) // (2 * ranks)) * (2 * ranks)
+    p = padded // ranks
+    held = [0] * (ranks + 1)  # a difference array over the ranks
+    largest_piece = 0
+    start = 0
+    for numel in sizes:
+        end = start + numel
+        if numel:
+            first, last = start // p, (end - 1) // p  # it starts in `first`'s range and crosses every later start
+            held[first] += numel
+            held[last + 1] -= numel
+            pieces = (numel,) if first == last else ((first + 1) * p - start, end - last * p,
+                                                      p if last - first > 1 else 0)
+            largest_piece = max(largest_piece, *pieces)
+        start = end
+    worst = running = 0
+    for delta in held[:ranks]:
+        running += delta
+        worst = max(worst, running)
+    return FlatPartition(held=worst, largest_piece=largest_piece)
+
+
 @lru_cache(maxsize=64)
 def persistent_parameters(model: TransformerModel, *, threshold: int) -> int:
     """Elements ZeRO-3 never partitions: tensors with numel ≤ ``stage3_param_persistence_threshold``

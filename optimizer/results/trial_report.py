@@ -33,6 +33,15 @@ def trial_json(*, result: TrialResult, ledger: Ledger | None, tolerance: float, 
         "training_peak_memory_bytes": result.training_peak_memory_bytes,
         "training_peak_reserved_bytes": result.training_peak_reserved_bytes,
         "predicted_training_bytes": None if ledger is None else ledger.training_bytes,
+        "device_name": result.device_name,
+        "device_total_bytes": result.device_total_bytes,
+        "gpu_capacity_bytes": None if ledger is None else ledger.gpu_capacity_bytes,
+        "device_memory_source": result.device_memory_source,
+        "device_used_init_bytes": result.device_used_init_bytes,
+        "device_non_torch_init_bytes": result.device_non_torch_init_bytes,
+        "device_used_peak_bytes": result.device_used_peak_bytes,
+        "device_non_torch_peak_bytes": result.device_non_torch_peak_bytes,
+        "predicted_device_reserve_bytes": None if ledger is None else ledger.device_reserve_bytes,
         "skipped_steps": result.skipped_steps,
         "applied": list(result.applied),
         "loss_scales": list(result.loss_scales),
@@ -58,6 +67,27 @@ def _mb(value: int | None) -> str:
     return "-" if value is None else f"{value / MB:.3f} MB"
 
 
+def device_lines(data: dict[str, Any]) -> list[str]:
+    """The device as the driver sees it (CUDA ranks; none on CPU ranks): the process's use after init and at the
+    largest training reading, the part outside PyTorch's pool beside the ledger's device reserve, and the device's
+    total memory beside the study's ``gpu_memory``."""
+    lines = []
+    if data.get("device_memory_source"):
+        lines.append(f"   device used as the driver sees it ({data['device_memory_source']}; read at moments, not a "
+                     f"peak): after init {_mb(data['device_used_init_bytes'])}, largest after a step "
+                     f"{_mb(data['device_used_peak_bytes'])}")
+        lines.append(f"   outside PyTorch's pool (CUDA context, NCCL, cuBLAS): after init "
+                     f"{_mb(data['device_non_torch_init_bytes'])}, at the largest reading "
+                     f"{_mb(data['device_non_torch_peak_bytes'])}; the ledger's device reserve "
+                     f"{_mb(data['predicted_device_reserve_bytes'])}")
+    total, stated = data.get("device_total_bytes"), data.get("gpu_capacity_bytes")
+    if total is not None:
+        more = stated is not None and stated > total
+        lines.append(f"   device total memory {_mb(total)} ({data['device_name']}); the study's gpu_memory "
+                     f"{_mb(stated)}" + (": more than the device has" if more else ""))
+    return lines
+
+
 def trial_table(data: dict[str, Any]) -> str:
     """The four results, with the ledger's prediction beside the measured peak."""
     lines = [f"study {data['study']} · candidate {data['candidate']}", f"outcome: {data['outcome']}"]
@@ -67,7 +97,8 @@ def trial_table(data: dict[str, Any]) -> str:
             lines += [f"   measured until it stopped: init peak {_mb(data['init_peak_memory_bytes'])} (reserved "
                       f"{_mb(data['init_peak_reserved_bytes'])}), training peak "
                       f"{_mb(data['training_peak_memory_bytes'])} (reserved "
-                      f"{_mb(data['training_peak_reserved_bytes'])}), {len(data['losses'])} step(s) run"]
+                      f"{_mb(data['training_peak_reserved_bytes'])}), {len(data['losses'])} step(s) run",
+                      *device_lines(data)]
         lines += ["", "log tail:", data["log_tail"].rstrip()[-2000:], "", f"files: {data['trial_dir']}"]
         return "\n".join(lines)
     fidelity = data["loss_fidelity"]
@@ -88,6 +119,7 @@ def trial_table(data: dict[str, Any]) -> str:
         f"{_mb(data['predicted_init_bytes'])}",
         f"   training alone: measured {_mb(data['training_peak_memory_bytes'])} (reserved "
         f"{_mb(data['training_peak_reserved_bytes'])}), predicted {_mb(data['predicted_training_bytes'])}",
+        *device_lines(data),
         "2. speed",
         f"   step time {data['step_time_s']:.4f} s (median of measured steps, slowest rank); "
         f"{data['tokens_per_s']:,.0f} tokens/s; init {data['init_s'] or 0:.2f} s (construction + initialize, "

@@ -42,6 +42,9 @@ OVER_BUDGET = "over_budget"
 """The status of a rank's report when the trial stopped over its :class:`StopAbove` (an ``oom`` trial)."""
 INIT_STOP = "init"
 """``stopped_at`` of a trial stopped over the init phase's limit; ``"step N"`` after attempted step N (0-based)."""
+DEVICE_MEMORY_FIELDS = ("device_memory_source", "device_used_init_bytes", "device_non_torch_init_bytes",
+                        "device_used_peak_bytes", "device_non_torch_peak_bytes")
+"""The rank report's readings of the device as the driver sees it (:mod:`launchers.workloads.device_memory`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,6 +108,19 @@ class RankMeasurement:
     """The allocated (CPU ranks: live-tensor) peak of training alone, after the init phase."""
     training_peak_reserved_bytes: int | None = None
     """The CUDA reserved peak of training alone (the pool init left cached included); None on CPU ranks."""
+    device_memory_source: str | None = None
+    """Which reader gave the ``device_*`` figures: ``nvml_process``, ``nvml_device`` or ``cuda_mem_get_info``
+    (:mod:`launchers.workloads.device_memory`); None on CPU ranks, or where no reader answered."""
+    device_used_init_bytes: int | None = None
+    """The process's use of its device as the driver sees it (CUDA context, NCCL, cuBLAS and PyTorch's pool), read
+    once ``deepspeed.initialize`` is done (bytes; None on CPU ranks)."""
+    device_non_torch_init_bytes: int | None = None
+    """At that reading, the use outside PyTorch's pool: used − ``torch.cuda.memory_reserved()`` (bytes)."""
+    device_used_peak_bytes: int | None = None
+    """The largest training reading of the device use (after each attempted step, and at the end): sampled, so a
+    lower bound of the device's true peak — the driver keeps no peak (bytes; None: no step run, or CPU ranks)."""
+    device_non_torch_peak_bytes: int | None = None
+    """At that reading, the use outside PyTorch's pool: used − ``torch.cuda.memory_reserved()`` (bytes)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -178,6 +194,31 @@ class TrialResult:
     def init_peak_reserved_bytes(self) -> int | None:
         """Max over ranks of the init phase's CUDA reserved peak (None on CPU ranks)."""
         return self._rank_max("init_peak_reserved_bytes")  # type: ignore[return-value]
+
+    @property
+    def device_used_init_bytes(self) -> int | None:
+        """Max over ranks of the device use read after ``deepspeed.initialize`` (None on CPU ranks)."""
+        return self._rank_max("device_used_init_bytes")  # type: ignore[return-value]
+
+    @property
+    def device_used_peak_bytes(self) -> int | None:
+        """Max over ranks of the largest training reading of the device use (sampled; None on CPU ranks)."""
+        return self._rank_max("device_used_peak_bytes")  # type: ignore[return-value]
+
+    @property
+    def device_non_torch_init_bytes(self) -> int | None:
+        """Max over ranks of the device use outside PyTorch's pool after ``deepspeed.initialize``."""
+        return self._rank_max("device_non_torch_init_bytes")  # type: ignore[return-value]
+
+    @property
+    def device_non_torch_peak_bytes(self) -> int | None:
+        """Max over ranks of the device use outside PyTorch's pool at the largest training reading."""
+        return self._rank_max("device_non_torch_peak_bytes")  # type: ignore[return-value]
+
+    @property
+    def device_memory_source(self) -> str | None:
+        """The reader of the ``device_*`` figures (the first rank's that has one; None: CPU ranks)."""
+        return next((r.device_memory_source for r in self.ranks if r.device_memory_source), None)
 
     def training_device_bytes(self, *, device_reserve_bytes: int) -> int | None:
         """What training needs of one device: its reserved peak (CPU ranks: live tensors) + the device reserve
@@ -310,7 +351,8 @@ def _measurements(rank_reports: Mapping[int, Mapping[str, Any]]) -> tuple[RankMe
                         build_peak_allocated_bytes=rep.get("build_peak_allocated_bytes"),
                         construction=rep.get("construction"), built_partitioned=rep.get("built_partitioned"),
                         training_peak_allocated_bytes=rep.get("training_peak_allocated_bytes"),
-                        training_peak_reserved_bytes=rep.get("training_peak_reserved_bytes"))
+                        training_peak_reserved_bytes=rep.get("training_peak_reserved_bytes"),
+                        **{name: rep.get(name) for name in DEVICE_MEMORY_FIELDS})
         for r, rep in sorted(rank_reports.items())
     )
 

@@ -12,21 +12,19 @@ import json
 from pathlib import Path
 
 import pytest
-from two_ranks import run_two_ranks
+from two_ranks import TINY_MODEL, TWO_CPU_RANKS, run_two_ranks
 
 from optimizer.deepspeed.config import build_ds_config
 from optimizer.ledger.core import Phase, compute_ledger
 from optimizer.ledger.transformer import parameter_count
 from optimizer.study.knobs import Candidate, NoCheckpointing, OffloadDevice, Precision, ZeroStage
-from optimizer.study.specs import Accelerator, HardwareSpec, TrainingSpec, TransformerModel
+from optimizer.study.specs import TrainingSpec
 
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
-MODEL = TransformerModel(layers=2, hidden_size=64, heads=4, kv_heads=4, ffn_size=256, vocab_size=256,
-                         max_positions=32)
-HARDWARE = HardwareSpec(accelerator=Accelerator.CPU, gpus_per_node=2, gpu_memory_bytes=4 * 2**30,
-                        supported_precisions=(Precision.FP32, Precision.BF16))
+MODEL = TINY_MODEL
+HARDWARE = TWO_CPU_RANKS
 TRAINING = TrainingSpec(global_batch_size=4, micro_batch_size=2, sequence_length=32)
 CASES = [
     (stage, precision, offload)

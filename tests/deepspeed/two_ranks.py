@@ -10,6 +10,15 @@ import sys
 from pathlib import Path
 
 from launchers.local import clear_stale_build_locks, extensions_dir
+from optimizer.study.knobs import Precision
+from optimizer.study.specs import Accelerator, HardwareSpec, TransformerModel
+
+TINY_MODEL = TransformerModel(layers=2, hidden_size=64, heads=4, kv_heads=4, ffn_size=256, vocab_size=256,
+                              max_positions=32)
+"""The real model-state tests' model: small enough for seconds per run, every ZeRO item non-zero."""
+TWO_CPU_RANKS = HardwareSpec(accelerator=Accelerator.CPU, gpus_per_node=2, gpu_memory_bytes=4 * 2**30,
+                             supported_precisions=(Precision.FP32, Precision.BF16))
+"""The hardware of :func:`run_two_ranks`."""
 
 
 def free_port() -> int:
