@@ -264,7 +264,7 @@ def stop_above(spec: StudySpec, candidate: Candidate) -> StopAbove | None:
 
 def worker_launches(trials: Sequence[optuna.trial.FrozenTrial], *, worker: str) -> int:
     """Real launches of this worker's trials (retries included)."""
-    return sum(max(1, int(t.user_attrs.get(LAUNCHES_ATTR, 1))) for t in active_claims(trials)
+    return sum(int(t.user_attrs.get(LAUNCHES_ATTR, 1)) for t in active_claims(trials)
                if t.user_attrs.get(WORKER_ATTR) == worker)
 
 

@@ -220,11 +220,21 @@ def test_a_study_records_a_proposal_that_needs_a_missing_op_as_invalid(tmp_path,
     optuna.create_study(study_name=spec.name, storage=storage, directions=list(DIRECTIONS)).enqueue_trial(
         distribution_params(nvme, branches(spec)), user_attrs={"enqueued_by": "test"})  # the sampler's proposal
     _fake_build(monkeypatch, tmp_path, {"AsyncIOBuilder": "missing"})
-    monkeypatch.setattr(trial, "execute", lambda *a, **k: pytest.fail("launched a candidate needing async_io"))
+    launched: list[str] = []
+
+    def execute(plan, *, timeout_s, log_path):  # stands for the ranks: a crash, without starting any
+        config = json.loads((log_path.parent / "plan.json").read_text())["config"]
+        assert config["zero_optimization"].get("offload_param", {}).get("device") != "nvme", "launched async_io"
+        launched.append(log_path.parent.name)
+        return Execution(returncode=1, timed_out=False, wall_s=0.0)
+
+    monkeypatch.setattr(trial, "execute", execute)
     study = run_study(spec=spec, storage=storage, n_trials=1, timeout_s=None, reference=lambda: [1.0, 1.0])
     (frozen,) = [t for t in study.trials if t.user_attrs.get("label") == nvme.label()]
     assert frozen.state is optuna.trial.TrialState.FAIL
     assert frozen.user_attrs["outcome"] == "invalid" and "async_io" in frozen.user_attrs["message"]
+    assert frozen.user_attrs["launches"] == 0  # nothing started: --n-trials 1 is still to be spent, and was
+    assert launched and sum(t.user_attrs.get("launches", 0) for t in study.trials) == 2  # a crash, retried once
 
 
 def test_the_second_worker_of_a_node_waits_for_the_first(tmp_path):

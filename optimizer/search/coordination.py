@@ -80,8 +80,9 @@ def active_claims(trials: Iterable[optuna.trial.FrozenTrial]) -> list[optuna.tri
 
 def launches_used(trials: Iterable[optuna.trial.FrozenTrial], *, reference_launches: int = 0) -> int:
     """Real DeepSpeed launches the study has made or is making, all workers together: each claimed trial's
-    launches (its retries included, :data:`LAUNCHES_ATTR`) and the FP32 reference's."""
-    return sum(max(1, int(t.user_attrs.get(LAUNCHES_ATTR, 1))) for t in active_claims(trials)) + reference_launches
+    launches (its retries included, :data:`LAUNCHES_ATTR`; 0 for an ``invalid`` result that started no rank;
+    1 while it runs) and the FP32 reference's."""
+    return sum(int(t.user_attrs.get(LAUNCHES_ATTR, 1)) for t in active_claims(trials)) + reference_launches
 
 
 def budget_spent(*, trials: list[optuna.trial.FrozenTrial], budget: BudgetSettings, created_at: str | None,

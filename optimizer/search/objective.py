@@ -22,7 +22,8 @@ that could not be computed (no reference losses) is unknown, never perfect: the 
 the front (``study.best_trials`` is Optuna's feasible Pareto front).
 
 Every launch — retries included — is counted on the trial (``launches``); ``--n-trials`` and
-``budget.max_launches`` count those (:func:`optimizer.search.coordination.launches_used`).
+``budget.max_launches`` count those (:func:`optimizer.search.coordination.launches_used`). An ``invalid`` result
+that started no rank (a DeepSpeed op this node cannot build, :mod:`launchers.op_prep`) counts none.
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
         if artifact_dir is not None:
             trial.set_user_attr("trial_dir", artifact_dir(candidate))
         result = runner(candidate)
-        trial.set_user_attr(LAUNCHES_ATTR, 1)
+        # An invalid result started no rank (an op this node cannot build, launchers/op_prep.py): no launch spent.
+        trial.set_user_attr(LAUNCHES_ATTR, 0 if result.outcome is Outcome.INVALID and not result.ranks else 1)
         failed: list[dict[str, Any]] = []
         while result.outcome in RETRIED and len(failed) < spec.trial.retries:  # maybe transient: once more
             failed.append({"outcome": result.outcome.value, "message": result.message[-300:], "wall_s": result.wall_s})
