@@ -129,9 +129,10 @@ def _mb(value: int | None) -> str:
     return "-" if value is None else f"{value / MB:,.0f}" if value >= 10 * MB else f"{value / MB:,.2f}"
 
 
-def band(ledger_bytes: int) -> tuple[int, int]:
-    """The measured peaks a ledger figure agrees with: it may read :data:`UNDER` below, :data:`OVER` above."""
-    return math.ceil(ledger_bytes / (1 + OVER)), math.floor(ledger_bytes / (1 - UNDER))
+def band(ledger_bytes: int, risk_bytes: int = 0) -> tuple[int, int]:
+    """The measured peaks a ledger figure agrees with: it may read :data:`UNDER` below, :data:`OVER` above — below
+    the figure + ``risk_bytes`` (:attr:`Ledger.risk_bytes`, items live in some runs only) for a run where they were."""
+    return math.ceil(ledger_bytes / (1 + OVER)), math.floor((ledger_bytes + risk_bytes) / (1 - UNDER))
 
 
 def _error(ledger_bytes: int, measured: int | None) -> str:
@@ -144,9 +145,10 @@ def verdict(*, ledger: Ledger, result: TrialResult, tolerance: float, fidelity_e
     if result.outcome is not Outcome.OK:
         return [f"outcome {result.outcome}"]
     problems = []
-    for what, predicted, measured in (("training", ledger.training_bytes, result.training_peak_memory_bytes),
-                                      ("init", ledger.init_bytes, result.init_peak_memory_bytes)):
-        low, high = band(predicted)
+    for what, predicted, risk, measured in (
+            ("training", ledger.training_bytes, ledger.risk_bytes, result.training_peak_memory_bytes),
+            ("init", ledger.init_bytes, 0, result.init_peak_memory_bytes)):
+        low, high = band(predicted, risk)
         if not measured:
             problems.append(f"no measured {what} peak")
         elif not low <= measured <= high:
@@ -158,9 +160,9 @@ def verdict(*, ledger: Ledger, result: TrialResult, tolerance: float, fidelity_e
     return problems
 
 
-def _figure(predicted: int) -> str:
-    low, high = band(predicted)
-    return f"{_mb(predicted)} ({_mb(low)}–{_mb(high)})"
+def _figure(predicted: int, risk: int = 0) -> str:
+    low, high = band(predicted, risk)
+    return f"{_mb(predicted)}{f' +{_mb(risk)} risk' if risk else ''} ({_mb(low)}–{_mb(high)})"
 
 
 def _ledger(study: StudySpec, candidate: Candidate) -> Ledger:
@@ -176,11 +178,11 @@ def _row(label: str, ledger: Ledger, result: TrialResult | None, problems: list[
     if result is None or result.outcome is not Outcome.OK:
         outcome = "planned" if planned else "skipped" if result is None else result.outcome
         note = "" if result is None else result.message[:90]
-        return (f"| {label} | {outcome} | {_figure(ledger.training_bytes)} | {note} | {_figure(ledger.init_bytes)} "
-                f"| | | | | {check} |")
+        return (f"| {label} | {outcome} | {_figure(ledger.training_bytes, ledger.risk_bytes)} | {note} "
+                f"| {_figure(ledger.init_bytes)} | | | | | {check} |")
     fidelity = "-" if result.loss_fidelity is None else f"{result.loss_fidelity:.1e}"
     train, init = result.training_peak_memory_bytes, result.init_peak_memory_bytes
-    return (f"| {label} | ok | {_figure(ledger.training_bytes)} | {_mb(train)} / "
+    return (f"| {label} | ok | {_figure(ledger.training_bytes, ledger.risk_bytes)} | {_mb(train)} / "
             f"{_mb(result.training_peak_reserved_bytes)} ({_error(ledger.training_bytes, train)}) "
             f"| {_figure(ledger.init_bytes)} | {_mb(init)} / "
             f"{_mb(result.init_peak_reserved_bytes)} ({_error(ledger.init_bytes, init)}) | "

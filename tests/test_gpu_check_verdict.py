@@ -34,11 +34,22 @@ def _result(*, train: int | None, init: int | None, fidelity: float | None = 1e-
     return TrialResult(outcome=outcome, ranks=(rank,), loss_fidelity=fidelity)
 
 
-LEDGER = SimpleNamespace(training_bytes=1_100 * MB, init_bytes=550 * MB)
+LEDGER = SimpleNamespace(training_bytes=1_100 * MB, init_bytes=550 * MB, risk_bytes=0)
 
 
 def test_the_band_is_the_measurements_the_ledger_agrees_with(gpu_check):
     assert gpu_check.band(1_100 * MB) == (1_000 * MB, 1_157_894_736)  # 1,100/1.1; 1,100/0.95 rounded down
+
+
+def test_a_risk_widens_the_band_upwards_only(gpu_check):
+    # A flatten of 95 MB that some runs hold at the peak: a run holding it may measure up to (1,100 + 95)/0.95.
+    assert gpu_check.band(1_100 * MB, 95 * MB) == (1_000 * MB, 1_257_894_736)
+    risky = SimpleNamespace(training_bytes=1_100 * MB, init_bytes=550 * MB, risk_bytes=95 * MB)
+    assert gpu_check.verdict(ledger=risky, result=_result(train=1_250 * MB, init=550 * MB), tolerance=2e-2) == []
+    assert gpu_check.verdict(ledger=risky, result=_result(train=1_260 * MB, init=550 * MB), tolerance=2e-2) == \
+        ["training: ledger -12.7% off the measured 1,260 MB"]
+    assert gpu_check.verdict(ledger=risky, result=_result(train=999 * MB, init=550 * MB), tolerance=2e-2) == \
+        ["training: ledger +10.1% off the measured 999 MB"]
 
 
 @pytest.mark.parametrize(("train", "init"), [(1_000 * MB, 500 * MB), (1_157 * MB, 578 * MB), (1_100 * MB, 550 * MB)])

@@ -118,17 +118,26 @@ def test_the_margin_shrinks_to_what_the_study_measured_of_its_ledger(seed):
     assert _launchable(_on(seed, budget=33_800_000_000), worse)
 
 
-def test_on_cpu_ranks_the_prior_keeps_a_tenth_of_a_counted_need_free(repo_root):
-    # cpu-tiny's z0 bf16 peaks in the optimizer step: model states and, estimated, the allreduce flatten gloo may
-    # free late (2Ψ = 241,152 B, Ψ = 120,576); the prior keeps 10 % of the whole need free all the same
-    # (PRIOR_MARGIN_CPU: a whole-need miss of 8.4 % was measured on CPU ranks), more than a quarter of 2Ψ.
+def test_on_cpu_ranks_the_late_flatten_is_priced_as_risk_not_counted_in_the_need(repo_root):
+    # cpu-tiny's z0 bf16 (2 CPU ranks, Ψ = 120,576) peaks in the optimizer step on model states only. The allreduce
+    # flatten gloo's thread sometimes frees late (2Ψ = 241,152 B: the demo's 8.4 % miss, 3.137 MB measured against
+    # 2.894 MB, is exactly it) is risk: out of the need, and the margin keeps 3 % of the need + 2Ψ free, more
+    # than the 10 % whole-need prior (PRIOR_MARGIN_CPU).
     tiny = load_study(repo_root / "studies" / "cpu-tiny.yaml")
     base = replace(baseline_candidate(tiny.training), precision=Precision.BF16)
     ledger = evaluate(candidate=base, model=tiny.model, hardware=tiny.hardware, training=tiny.training).ledger
-    assert ledger.estimated_bytes == 241_152 and PRIOR_MARGIN_CPU == 0.10
+    assert ledger.estimated_bytes == 0 and ledger.risk_bytes == 241_152 and PRIOR_MARGIN_CPU == 0.10
+    assert [i.name for i in ledger.risks] == ["allreduce flatten, freed late on gloo's thread"]
+    assert not [i for i in ledger.items if i.sometimes]
     need = ledger.training_needed_bytes
-    assert _launchable(_on(tiny, budget=math.ceil(need * 1.1)), _models(tiny), base)
-    assert not _launchable(_on(tiny, budget=math.ceil(need * 1.1) - 1), _models(tiny), base)
+    assert need == 2_893_824  # the demo's predicted 2.894 MB: the risk is not in it
+    free = math.ceil(0.03 * need + 241_152)  # 327,967 > 289,383 (10 %)
+    assert _launchable(_on(tiny, budget=need + free), _models(tiny), base)
+    assert not _launchable(_on(tiny, budget=need + free - 1), _models(tiny), base)
+    # Priced, never a veto: where the flatten alone would overflow, the candidate is risky, not pruned.
+    tight = _on(tiny, budget=need)
+    verdict = evaluate(candidate=base, model=tight.model, hardware=tight.hardware, training=tight.training)
+    assert verdict.fits and assess(verdict, models=_models(tiny)).standing is Standing.RISKY
 
 
 def test_a_whole_need_miss_counts_in_its_own_family_only(seed):
@@ -145,7 +154,7 @@ def test_a_whole_need_miss_counts_in_its_own_family_only(seed):
 
 def test_stage0_fp32_samples_earn_nothing_for_mixed_precision(repo_root):
     # cpu-tiny: two ZeRO-0 fp32 runs measured as predicted earn their family the 3 % floor; ZeRO-0 bf16 steps
-    # through FP16_Optimizer (a flat fp32 master, fp32 gradient copies: other items) and keeps the 10 % prior.
+    # through FP16_Optimizer (a flat fp32 master, fp32 gradient copies: other items) and keeps the prior.
     tiny = load_study(repo_root / "studies" / "cpu-tiny.yaml")
     base = baseline_candidate(tiny.training)
     assert base.zero_stage is ZeroStage.DISABLED and base.precision is Precision.FP32
@@ -156,8 +165,9 @@ def test_stage0_fp32_samples_earn_nothing_for_mixed_precision(repo_root):
     bf16 = replace(base, precision=Precision.BF16)
     need = evaluate(candidate=bf16, model=tiny.model, hardware=tiny.hardware,
                     training=tiny.training).ledger.training_needed_bytes
-    assert _launchable(_on(tiny, budget=math.ceil(need * 1.1)), models, bf16)
-    assert not _launchable(_on(tiny, budget=math.ceil(need * 1.1) - 1), models, bf16)
+    free = math.ceil(0.03 * need + 241_152)  # the prior share with the late flatten's risk (2Ψ), as above
+    assert _launchable(_on(tiny, budget=need + free), models, bf16)
+    assert not _launchable(_on(tiny, budget=need + free - 1), models, bf16)
     # From stage 1 on fp32 training keeps an fp32 master partition too: one family across precisions.
     z2 = replace(base, zero_stage=ZeroStage.GRADIENTS)
     assert memory_family(z2) == memory_family(replace(z2, precision=Precision.BF16)) == "z2-optnone-pnone"

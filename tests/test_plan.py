@@ -300,3 +300,21 @@ def test_a_v100_study_plans_with_speeds_and_without_bf16():
     assert bf16 and bf16[0]["candidates"] == len(vs) // 3  # a third of the space: every bf16 candidate
     text = plan_text(vs, speeds, study=study.name)
     assert "bf16|fp16" not in text and "tokens/s: the throughput model (profile v100-32gb)" in text
+
+
+def test_a_risk_is_printed_apart_from_the_need(repo_root):
+    # cpu-tiny's z0 bf16 on 2 CPU ranks: the flatten gloo may free late (2Ψ = 241,152 B, Ψ = 120,576) is listed
+    # under the peak table as live in some runs only; the need (2,893,824 B) and the items leave it out.
+    from optimizer.ledger.report import ledger_table
+    from optimizer.study.knobs import Precision
+
+    tiny = load_study(repo_root / "studies" / "cpu-tiny.yaml")
+    base = dataclasses.replace(baseline_candidate(tiny.training), precision=Precision.BF16)
+    ledger = evaluate(candidate=base, model=tiny.model, hardware=tiny.hardware, training=tiny.training).ledger
+    text = ledger_table(ledger, study="cpu-tiny", psi=120_576)
+    assert "live in some runs only — not in the need, priced as launch risk (+241.15 kB (235.50 KiB) at the " \
+        "peak):\n    allreduce flatten, freed late on gloo's thread (step)  2·min(Ψ, 5e8 + Lₜ)" in text
+    assert re.search(r"\n  needed +0\.003\n", text)  # 2,893,824 B in the table's GB (cpu-tiny has 2 GiB)
+    data = ledger_json(ledger)
+    assert data["risk_bytes"] == 241_152 and [r["bytes"] for r in data["risks"]] == [241_152]
+    assert not any(i["name"].startswith("allreduce flatten, freed") for i in data["items"])

@@ -66,13 +66,16 @@ class Ledger:
     """Host RAM per node; None = unchecked."""
     nvme_capacity_bytes: int | None
     """NVMe capacity per node; None = unchecked."""
+    risks: tuple[LedgerItem, ...] = ()
+    """Items live in some runs only (:attr:`LedgerItem.sometimes`): in no figure of this ledger but
+    :attr:`risk_bytes` — what the candidate needs is what every run holds."""
 
-    def _at(self, location: Location | tuple[Location, ...], phase: Phase) -> list[LedgerItem]:
+    def _at(self, location: Location | tuple[Location, ...], phase: Phase, *, risks: bool = False) -> list[LedgerItem]:
         where = location if isinstance(location, tuple) else (location,)
-        return [i for i in self.items if i.location in where and i.phase is phase]
+        return [i for i in self.items + (self.risks if risks else ()) if i.location in where and i.phase is phase]
 
-    def _phase_bytes(self, location: Location | tuple[Location, ...], phase: Phase) -> int:
-        return sum(i.bytes for i in self._at(location, phase))
+    def _phase_bytes(self, location: Location | tuple[Location, ...], phase: Phase, *, risks: bool = False) -> int:
+        return sum(i.bytes for i in self._at(location, phase, risks=risks))
 
     def _largest_transient(self, location: Location | tuple[Location, ...]) -> Phase:
         """The training phase whose transient items at ``location`` weigh most (the earlier one on a tie)."""
@@ -132,11 +135,19 @@ class Ledger:
         where = self.host_locations if self.device_is_host else (Location.GPU,)
         return self._phase_bytes(where, Phase.INIT)
 
-    def training_bytes_at(self, location: Location | tuple[Location, ...]) -> int:
+    def training_bytes_at(self, location: Location | tuple[Location, ...], *, risks: bool = False) -> int:
         """Bytes one rank holds at ``location`` at training's peak: the always-live items and the largest
-        transient phase, the init phase left out."""
-        return self._phase_bytes(location, Phase.ALWAYS) + max(self._phase_bytes(location, ph)
-                                                               for ph in TRANSIENT_PHASES)
+        transient phase, the init phase left out; with ``risks``, in a run where every :attr:`risks` item is live."""
+        return self._phase_bytes(location, Phase.ALWAYS, risks=risks) + max(
+            self._phase_bytes(location, ph, risks=risks) for ph in TRANSIENT_PHASES)
+
+    @property
+    def risk_bytes(self) -> int:
+        """How far training's measured peak (:attr:`training_bytes`) may exceed the ledger in a run where the
+        :attr:`risks` items are live: 0 without risks, at most their sum (they may fall outside the peak's
+        phase). The launch margin covers it (:meth:`optimizer.search.ordering.StudyModels.margin_bytes`)."""
+        where = self.host_locations if self.device_is_host else (Location.GPU,)
+        return self.training_bytes_at(where, risks=True) - self.training_bytes_at(where)
 
     @property
     def training_bytes(self) -> int:
@@ -255,7 +266,8 @@ def compute_ledger(
         items = transformer_items(candidate=candidate, model=model, hardware=hardware, training=training)
     return Ledger(
         candidate=candidate,
-        items=tuple(items),
+        items=tuple(i for i in items if not i.sometimes),
+        risks=tuple(i for i in items if i.sometimes),
         ranks_per_node=hardware.gpus_per_node,
         device_is_host=hardware.accelerator is Accelerator.CPU,
         gpu_capacity_bytes=hardware.gpu_memory_bytes,

@@ -70,3 +70,7 @@ class LedgerItem:
     """Where the formula comes from (paper, DeepSpeed file, the seed)."""
     phase: Phase = Phase.ALWAYS
     """When it is live."""
+    sometimes: bool = False
+    """Live at its phase in some runs and not in others (a buffer another thread frees early or late): kept out
+    of what the candidate needs (:attr:`optimizer.ledger.core.Ledger.risks`) and priced by the launch policy as
+    risk (:attr:`optimizer.ledger.core.Ledger.risk_bytes`), never a reason to prune."""

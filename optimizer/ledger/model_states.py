@@ -23,7 +23,7 @@ transient FP32 gradient copy, and ZeRO-3's persistent small parameters and gathe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from optimizer.deepspeed.versions import LEDGER_DEEPSPEED_VERSION
 from optimizer.deepspeed.zero_settings import (
@@ -134,9 +134,10 @@ def _stage0(z: _Sizes, precision: Precision, *, joined: bool, gloo: bool = False
               f"{g}·min(Ψ, 5e8 + Lₜ)", f"{DS} engine.py:3073-3095 (MEMORY_OPT_ALLREDUCE_SIZE)", Phase.REDUCE),
     ]
     if gloo:  # gloo's work object holds the flattened tensor and may drop it on its own thread after the step
-        # began: the same 2-rank candidate measured 3.94 and 4.27 MB in two runs, 2Ψ apart (docs/ledger.md).
-        items.append(_item("allreduce flatten, freed late on gloo's thread", Category.BUFFERS, Location.GPU, flatten,
-                           f"{g}·min(Ψ, 5e8 + Lₜ)", f"{DS} engine.py:3073-3095; gloo", Phase.STEP))
+        # began: the same 2-rank candidate measured 3.94 and 4.27 MB in two runs, 2Ψ apart (docs/ledger.md) — risk.
+        items.append(replace(_item("allreduce flatten, freed late on gloo's thread", Category.BUFFERS, Location.GPU,
+                                   flatten, f"{g}·min(Ψ, 5e8 + Lₜ)", f"{DS} engine.py:3073-3095; gloo", Phase.STEP),
+                             sometimes=True))
     if precision is not Precision.FP32:
         items += [
             _item("fp32 master weights (flat)", Category.MASTER_WEIGHTS, Location.GPU, FP32 * psi, "4Ψ",

@@ -117,19 +117,15 @@ def ledger_json(ledger: Ledger) -> dict[str, object]:
         "fits_nvme": ledger.fits_nvme,
         "reasons": list(ledger.verdict_reasons()),
         "shortfalls": [s.json() for s in shortfalls(ledger)],
-        "items": [
-            {
-                "name": i.name,
-                "category": i.category.value,
-                "location": i.location.value,
-                "phase": i.phase.value,
-                "bytes": i.bytes,
-                "formula": i.formula,
-                "source": i.source,
-            }
-            for i in ledger.items
-        ],
+        "items": [_item_json(i) for i in ledger.items],
+        "risk_bytes": ledger.risk_bytes,
+        "risks": [_item_json(i) for i in ledger.risks],
     }
+
+
+def _item_json(item: LedgerItem) -> dict[str, object]:
+    return {"name": item.name, "category": item.category.value, "location": item.location.value,
+            "phase": item.phase.value, "bytes": item.bytes, "formula": item.formula, "source": item.source}
 
 
 def _fit_word(value: bool | None) -> str:
@@ -203,6 +199,11 @@ def ledger_table(ledger: Ledger, *, study: str, psi: int, binary: bool = False) 
     table = _rows([(i.name, i.formula, i.bytes) for i in peak] + summary, scale=unit[1])
     lines += [*table[:len(peak)], "  " + "-" * (len(table[0]) - 2), *table[len(peak):]]
     lines.append(f"  activations from: {activation_source(ledger.items)}")
+    if ledger.risks:
+        lines.append(f"  live in some runs only — not in the need, priced as launch risk "
+                     f"(+{format_bytes(ledger.risk_bytes, binary=binary)} at the peak):")
+        lines += _rows([(f"{i.name} ({i.phase.value})", i.formula, i.bytes) for i in ledger.risks],
+                       indent="    ", scale=unit[1])
     cap = ledger.gpu_capacity_bytes
     lines.append(f"  capacity {format_bytes(cap, binary=binary)}: {_fit_word(ledger.fits_gpu)}")
     other = _other_phases(ledger, Location.GPU, unit=unit)
@@ -224,7 +225,7 @@ def ledger_table(ledger: Ledger, *, study: str, psi: int, binary: bool = False) 
         lines += _other_phases(ledger, where, unit=unit)
     lines += ["", f"Verdict: {'FITS' if ledger.fits else 'DOES NOT FIT'}"
               + ("" if ledger.fits else f" — {'; '.join(ledger.verdict_reasons())}")]
-    sources = sorted({i.source for i in ledger.items})
+    sources = sorted({i.source for i in ledger.items + ledger.risks})
     lines += ["", "Sources:"] + [f"  - {src}" for src in sources]
     return "\n".join(lines)
 

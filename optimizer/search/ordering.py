@@ -59,7 +59,8 @@ PRIOR_MARGIN_CPU = 0.10
 """On CPU ranks, until the study has measured it, at least this fraction of the need is kept free: the
 largest whole-need under-prediction seen on CPU ranks is 8.4 % (the demo's z0 bf16 ckpt=none mbs=1, 3.137 MB
 measured against 2.894 MB predicted, in runs beside other load: one bf16 copy of the parameters still live when
-gloo's thread frees it late; the same candidate measured 2.896 MB alone), 6.9 % on the recorded grids."""
+gloo's thread frees it late; the same candidate measured 2.896 MB alone — the ledger now names that flatten as
+a risk, :attr:`~optimizer.ledger.core.Ledger.risk_bytes`), 6.9 % on the recorded grids."""
 EARN_SAMPLES = 2
 """Samples (with estimated bytes) of a family after which the estimated-bytes prior gives way, for that
 family, to what the study measured: one sample may be a lucky micro-batch (grid-cpu's z2 bf16 ckpt=full
@@ -99,13 +100,16 @@ class StudyModels:
         ranks with offload) before. Whole need: the worst
         under-prediction the study saw in the candidate's family (same stage and offload); :data:`PRIOR_MARGIN`
         (GPU) or :data:`PRIOR_MARGIN_CPU` while the family has no sample — another family's error says little
-        about this one's items."""
+        about this one's items. Both ways the margin is at least ``MIN_MARGIN``·need + the ledger's
+        :attr:`~optimizer.ledger.core.Ledger.risk_bytes` (items live in some runs only: priced, never a veto)."""
         ledger = verdict.ledger
         assert ledger is not None
         need = ledger.training_needed_bytes
+        risk = ledger.risk_bytes
         if memory_group(verdict.candidate) in dict(self.memory_factors):
             spread = dict(self.group_spreads).get(memory_group(verdict.candidate), 0.0)
-            return math.ceil(max(MIN_MARGIN, spread) * self.memory_factor(verdict.candidate) * need)
+            calibrated = self.memory_factor(verdict.candidate) * need
+            return math.ceil(max(max(MIN_MARGIN, spread) * calibrated, MIN_MARGIN * calibrated + risk))
         family = memory_family(verdict.candidate)
         c = verdict.candidate
         offloaded = c.offload_optimizer is not OffloadDevice.NONE or c.offload_param is not OffloadDevice.NONE
@@ -113,7 +117,7 @@ class StudyModels:
             family, ESTIMATE_PRIOR_OFFLOADED if offloaded and ledger.device_is_host else ESTIMATE_PRIOR)
         prior = PRIOR_MARGIN_CPU if ledger.device_is_host else PRIOR_MARGIN
         whole = dict(self.family_under).get(family, prior)
-        margin = max(MIN_MARGIN * need + u * ledger.estimated_bytes, whole * need)
+        margin = max(MIN_MARGIN * need + u * ledger.estimated_bytes + risk, whole * need)
         return math.ceil(margin)
 
     def memory_factor(self, candidate: Candidate) -> float:
