@@ -30,7 +30,7 @@ case "${1:-}" in
     ;;
   test)
     setup
-    "$venv/bin/ruff" check optimizer launchers tests benchmarks
+    "$venv/bin/ruff" check optimizer launchers tests benchmarks examples
     "$py" -m pytest -q
     ;;
   services)

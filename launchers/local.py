@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launchers.build_locks import clear_stale_build_locks, record_lock_owners  # the first also for old callers
+from launchers.workloads.script_vars import ACTIVE_VAR, OUT_VAR, PLAN_VAR
 
 LOCK_POLL_S = 1.0
 """Seconds between looks for JIT-build locks held by the launch's ranks (an op build takes seconds to minutes)."""
@@ -71,6 +72,7 @@ def build_launch_plan(
     slurm_nodes: int | None = None,
     gpus: Sequence[str] | None = None,
     cpus_per_task: int | None = None,
+    rank_command: Sequence[str] | None = None,
 ) -> LaunchPlan:
     """The launch plan for ``ranks`` ranks per node running ``launchers.workloads.trial_rank`` (pure).
 
@@ -90,8 +92,17 @@ def build_launch_plan(
     again with the call to srun") — so without it each torchrun agent and all its ranks share one CPU.
     ``gpus`` (GPU ranks only) becomes ``CUDA_VISIBLE_DEVICES``: the worker's slice of the node
     (:func:`launchers.node_share.gpu_slice`); None leaves the environment's. CPU ranks see no GPU.
+
+    ``rank_command`` (a study's ``trial.command``, placeholders filled) replaces the built-in rank program: torchrun
+    runs it as it is (``--no-python``), a leading ``python``/``python3`` becoming ``python`` (this environment's),
+    and :mod:`launchers.workloads.script_hook` measures it (``launchers/script_site`` first on ``PYTHONPATH``, the
+    plan and the output folder in :data:`~launchers.workloads.script_vars.PLAN_VAR` /
+    :data:`~launchers.workloads.script_vars.OUT_VAR`).
     """
-    trial_args = ("-m", "launchers.workloads.trial_rank", str(plan_path), str(out_dir))
+    trial_args: tuple[str, ...] = ("-m", "launchers.workloads.trial_rank", str(plan_path), str(out_dir))
+    if rank_command is not None:
+        head = python if Path(rank_command[0]).name in ("python", "python3") else rank_command[0]
+        trial_args = ("--no-python", head, *rank_command[1:])
     node_cpus = cpu_count if nodes == 1 else (cpus_per_task or cpu_count)
     if nodes == 1:
         argv: tuple[str, ...] = (
@@ -114,7 +125,12 @@ def build_launch_plan(
         argv = (python, "-m", "launchers.orphan_guard", str(parent_pid), *argv)
     env = dict(base_env)
     env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    site = [str(Path(__file__).resolve().parent / "script_site")] if rank_command is not None else []
+    env["PYTHONPATH"] = os.pathsep.join([*site, *pythonpath, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    if rank_command is not None:
+        env[PLAN_VAR], env[OUT_VAR] = str(plan_path), str(out_dir)
+        for inherited in ("RANK", "LOCAL_RANK", "GROUP_RANK", ACTIVE_VAR):  # torchrun sets the ranks' own
+            env.pop(inherited, None)
     env["OMP_NUM_THREADS"] = str(max(1, node_cpus // ranks))
     env["TORCHELASTIC_ERROR_FILE"] = str(out_dir / "elastic_error.json")
     env[LAUNCH_ID_VAR] = launch_id

@@ -34,6 +34,7 @@ from launchers.local import LAUNCH_ID_VAR, LaunchPlan, build_launch_plan, execut
 from launchers.node_share import WorkerSlot, gpu_slice, read_cpu_allowance, visible_gpus, worker_slot
 from launchers.nvme_folder import create_folders, per_launch_config, remove_folders
 from launchers.op_needs import missing_here, missing_reason
+from launchers.script_trial import script_command, script_plan, script_tokens_per_step
 from optimizer.deepspeed.config import build_ds_config
 from optimizer.deepspeed.versions import installed_versions, warn_deepspeed_mismatch
 from optimizer.ledger.constraints import invalid_reasons
@@ -132,9 +133,11 @@ def check_devices(study: StudySpec, *, slot: WorkerSlot | None = None) -> tuple[
 def rank_plan(*, study: StudySpec, candidate: Candidate) -> dict[str, Any]:
     """What every rank is told: the DeepSpeed config, the model, the data and the step counts (pure)."""
     assert isinstance(study.model, TransformerModel)
+    config = build_ds_config(candidate=candidate, model=study.model, hardware=study.hardware, training=study.training)
+    script = script_plan(study, candidate, config) if study.trial.command is not None else {}
     return {
-        "config": build_ds_config(candidate=candidate, model=study.model, hardware=study.hardware,
-                                  training=study.training),
+        **script,
+        "config": config,
         "model": model_dict(study.model),
         "entry_point": study.model.entry_point,
         "checkpointing": str(candidate.checkpointing),
@@ -155,15 +158,18 @@ def predicted_step_s(study: StudySpec, candidate: Candidate) -> float | None:
 
 
 def trial_launch_plan(study: StudySpec, *, plan_path: Path, out_dir: Path, launch_id: str,
-                      gpus: Sequence[str] | None, slurm_nodes: int | None = None) -> LaunchPlan:
+                      gpus: Sequence[str] | None, slurm_nodes: int | None = None,
+                      rank_command: Sequence[str] | None = None) -> LaunchPlan:
     """The launch plan of one trial of ``study`` (:func:`launchers.local.build_launch_plan`): its environment is
-    also the one the study's DeepSpeed ops are built in (:mod:`launchers.op_prep`)."""
+    also the one the study's DeepSpeed ops are built in (:mod:`launchers.op_prep`). ``rank_command``: the user's
+    script (:mod:`launchers.script_trial`), run in the study file's folder."""
     nodes = study.hardware.nodes
     return build_launch_plan(
         python=sys.executable, ranks=study.hardware.gpus_per_node,
         cpu_ranks=study.hardware.accelerator is Accelerator.CPU,
         master_port=free_port(), plan_path=plan_path, out_dir=out_dir, base_env=os.environ,
-        pythonpath=[str(PACKAGE_ROOT), str(study.path.parent.resolve())], cwd=PACKAGE_ROOT,
+        pythonpath=[str(PACKAGE_ROOT), str(study.path.parent.resolve())],
+        cwd=PACKAGE_ROOT if rank_command is None else study.path.parent.resolve(), rank_command=rank_command,
         cpu_count=read_cpu_allowance(), launch_id=launch_id, extensions_dir=extensions_dir(),
         parent_pid=os.getpid(), nodes=nodes, head_host=socket.gethostname() if nodes > 1 else "127.0.0.1",
         slurm_nodes=slurm_nodes, gpus=gpus if nodes == 1 else None, cpus_per_task=study.slurm.cpus_per_task,
@@ -216,8 +222,10 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
     plan["config"], nvme = per_launch_config(plan["config"], launch_id=launch_id, cwd=Path.cwd())  # its own swap
     (trial_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
     ranks = study.hardware.world_size
+    rank_command = None if study.trial.command is None else script_command(
+        study, candidate, config=plan["config"], trial_dir=trial_dir, launch_config=plan["config"])
     launch = trial_launch_plan(study, plan_path=trial_dir / "plan.json", out_dir=trial_dir, launch_id=launch_id,
-                               gpus=gpus, slurm_nodes=slurm_nodes)
+                               gpus=gpus, slurm_nodes=slurm_nodes, rank_command=rank_command)
     log_path = trial_dir / "log.txt"
     record = {"launch_id": launch.env[LAUNCH_ID_VAR], "candidate": candidate.knobs(), "worker": worker_id(),
               "trial_dir": str(trial_dir)}
@@ -240,13 +248,17 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
             reports[rank] = json.loads(path.read_text())
     result = summarize(
         rank_reports=reports, world_size=ranks, returncode=run.returncode, timed_out=run.timed_out,
-        tokens_per_step=study.training.global_batch_size * study.training.sequence_length,
+        tokens_per_step=study.training.global_batch_size * study.training.sequence_length
+        if study.trial.command is None else script_tokens_per_step(study, reports),
         reference_losses=reference_losses, log_tail=log_tail(log_path), wall_s=run.wall_s,
         host_memory=host.evidence(),
     )
     if mismatch := wrong_device(reports, expected=str(study.hardware.accelerator)):
         result = dataclasses.replace(result, outcome=Outcome.CRASH, message=mismatch, tokens_per_s=None,
                                      log_tail=log_tail(log_path))
+    if study.trial.command is not None and reports:
+        result = dataclasses.replace(result, script_parameters=next(
+            (r.get("script_parameters") for _, r in sorted(reports.items()) if r.get("script_parameters")), None))
     if result.outcome is Outcome.OK:
         result = dataclasses.replace(result, log_tail="")
     record_json = {**result_json(result), "versions": installed_versions(),

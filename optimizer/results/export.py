@@ -35,8 +35,12 @@ def exported_config(*, spec: StudySpec, knobs: dict[str, Any], hf: bool) -> dict
         validate_with_deepspeed(config, world_size=spec.hardware.world_size)
     except InvalidDeepSpeedConfig as err:
         raise UserError(source=str(spec.path), key="export", why=str(err)) from None
-    if not hf:
-        return config
+    return hf_auto(config) if hf else config
+
+
+def hf_auto(config: dict[str, Any]) -> dict[str, Any]:
+    """The Hugging Face variant of a DeepSpeed config: batch sizes and the optimizer's hyper-parameters ``"auto"``
+    (module doc)."""
     auto = copy.deepcopy(config)
     for key in HF_AUTO_KEYS:
         auto[key] = "auto"

@@ -159,6 +159,9 @@ class TrialResult:
     """``torch.cuda.get_device_name()`` of the devices the ranks ran on (None: CPU ranks, or no rank reported)."""
     device_total_bytes: int | None = None
     """``torch.cuda.get_device_properties(dev).total_memory`` of those devices (bytes; None as above)."""
+    script_parameters: int | None = None
+    """A script trial (``trial.command``): the parameters of the model the script's engine trains (ZeRO-3's full
+    counts), beside the model section's planned count; None for dsopt's own step."""
 
     def _rank_max(self, field: str) -> int | float | None:
         values = [v for r in self.ranks if (v := getattr(r, field)) is not None]

@@ -50,8 +50,9 @@ from optimizer.study.fields import (
 from optimizer.study.hardware_section import parse_hardware
 from optimizer.study.knobs import Precision
 from optimizer.study.model_section import parse_model
+from optimizer.study.script_command import ScriptCommand, uncovered_knobs
 from optimizer.study.search_space import SearchSpace, parse_search_space
-from optimizer.study.specs import HardwareSpec, ModelInit, ModelSpec, Optimizer, TrainingSpec
+from optimizer.study.specs import HardwareSpec, ModelInit, ModelSpec, Optimizer, SeedModel, TrainingSpec
 from optimizer.study.trial_settings import TrialSettings
 from optimizer.study.units import parse_count
 from optimizer.study.yaml_file import read_yaml
@@ -113,9 +114,36 @@ def _tolerances(value: Any) -> tuple[tuple[Precision, float], ...]:
     return tuple(table.items())
 
 
+def _argv(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, list):
+        raise ValueError("expected a list of strings, e.g. ['python', 'train.py', '--deepspeed', '{ds_config}'] "
+                         "(a list, so that no shell splits or expands it)")
+    if not all(isinstance(a, str) for a in value):
+        raise ValueError(f"every argument must be a string (quote numbers), got {value!r}")
+    return tuple(value)
+
+
+def _script_command(section: Section) -> ScriptCommand | None:
+    argv = section.get("command", _argv, None)
+    style = section.get("ds_config_style", as_text, None)
+    tokens = section.get("tokens_per_sample", count_within(limits.MAX_TOKENS, "tokens"), None)
+    if argv is None:
+        for name, value in (("ds_config_style", style), ("tokens_per_sample", tokens)):
+            if value is not None:
+                raise section.error(name, "only a study with trial.command (the user's own script) takes it")
+        return None
+    try:
+        return ScriptCommand(argv=argv, ds_config_style=style or "plain", tokens_per_sample=tokens)
+    except ValueError as err:
+        key = "ds_config_style" if "ds_config_style" in str(err) else "command"
+        raise section.error(key, str(err)) from None
+
+
 def _parse_trial(section: Section) -> TrialSettings:
     defaults = TrialSettings()
+    command = _script_command(section)
     return built(section, lambda: TrialSettings(
+        command=command,
         warmup_steps=section.get("warmup_steps", as_positive_int, defaults.warmup_steps),
         measured_steps=section.get("measured_steps", as_positive_int, defaults.measured_steps),
         timeout_s=section.get("timeout_s", as_fraction, defaults.timeout_s),
@@ -138,6 +166,26 @@ def _parse_space_ref(value: object, *, study_path: Path) -> SearchSpace:
         return parse_search_space(value, source=source, key_prefix="search_space")
     raise UserError(source=source, key="search_space", why="expected a path to a search_spaces/*.yaml file or an "
                     "inline mapping with 'knobs'")
+
+
+def _check_script(command: ScriptCommand, *, space: SearchSpace, study_path: Path, model: ModelSpec) -> None:
+    """Refuse a script study whose command cannot carry a searched knob, whose script is not there, or whose model
+    section cannot plan (:mod:`optimizer.study.script_command`)."""
+    source = str(study_path)
+    if isinstance(model, SeedModel):
+        raise UserError(source=source, key="trial.command", why="a seed-mode model has no shape to plan a script "
+                        "with: describe the script's model (hf_config, shape keys or an entry point)")
+    searched = {name: [str(v) for v in values] for name, values in space.values if len(values) > 1}
+    missing = uncovered_knobs(command, searched)
+    if missing:
+        raise UserError(source=source, key="trial.command", why="a searched knob cannot reach the script: "
+                        + "; ".join(missing) + " (or search one value of it)")
+    argv = command.argv
+    script = argv[1] if len(argv) > 1 and Path(argv[0]).name.startswith("python") and argv[1].endswith(".py") \
+        else argv[0] if argv[0].endswith(".py") else None
+    if script is not None and "{" not in script and not (study_path.parent / script).is_file():
+        raise UserError(source=source, key="trial.command", why=f"script {script!r} not found (looked at "
+                        f"{(study_path.parent / script).resolve()}; the command runs in the study file's folder)")
 
 
 def load_study(path: str | Path) -> StudySpec:
@@ -167,6 +215,8 @@ def load_study(path: str | Path) -> StudySpec:
         raise UserError(source=source, key="training.model_init",
                         why="zero_init (deepspeed.zero.Init) builds a partitioned model that only ZeRO stage 3 trains, "
                             f"and the search space holds zero_stage {', '.join(str(int(s)) for s in stages)} only")
+    if trial.command is not None:
+        _check_script(trial.command, space=space, study_path=study_path, model=model)
     per_step = training.micro_batch_size * hardware.world_size
     if training.global_batch_size % per_step:
         raise UserError(source=source, key="training.micro_batch_size",

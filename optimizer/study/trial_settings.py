@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from optimizer.study.knobs import Precision
+from optimizer.study.script_command import ScriptCommand
 
 TIMEOUT_MARGIN = 3.0
 """How many times its predicted duration a launch may take before it is called a timeout: the throughput model
@@ -36,6 +37,10 @@ class TrialSettings:
     """Largest accepted relative loss deviation from the FP32 reference, per precision. fp32: ZeRO 1–3 only
     reorder reductions (measured ≤ 1e-7 on cpu-tiny); bf16: 8-bit mantissa (measured 3.3e-3 over 5 steps
     on cpu-tiny, tolerance ≈ 6×); fp16: dynamic loss scaling may skip early overflowing steps."""
+
+    command: ScriptCommand | None = None
+    """The user's own training script as the trial (``trial.command``, :mod:`optimizer.study.script_command`);
+    None: dsopt's own training step."""
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 2 or self.measured_steps < 1:

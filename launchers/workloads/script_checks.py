@@ -1,0 +1,57 @@
+"""What the script hook checks, without a rank (:mod:`launchers.workloads.script_hook`): whether a process is a
+rank to measure, whether the engine the script built is the candidate's, whether its forward recomputes as the
+candidate's ``checkpointing`` asks, and what batch a forward sees."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from launchers.workloads.script_vars import ACTIVE_VAR, PLAN_VAR
+
+
+def wanted(env: dict[str, str] | os._Environ[str]) -> bool:
+    """Whether this process is a rank of a script trial that no hook measures yet."""
+    return bool(env.get(PLAN_VAR)) and "LOCAL_RANK" in env and "GROUP_RANK" in env and ACTIVE_VAR not in env
+
+
+def engine_mismatches(plan: dict[str, Any], actual: dict[str, Any]) -> list[str]:
+    """Every knob where the engine the script built differs from the candidate (pure): ``actual`` holds the
+    engine's ``micro_batch_size``, ``gradient_accumulation_steps``, ``zero_stage``, ``precision``,
+    ``offload_optimizer`` and ``offload_param``; ``plan["expect"]`` the candidate's."""
+    expected = plan["expect"]
+    return [f"{knob}: the candidate's is {expected[knob]}, the script's engine runs {actual[knob]}"
+            for knob in ("micro_batch_size", "gradient_accumulation_steps", "zero_stage", "precision",
+                         "offload_optimizer", "offload_param") if str(actual[knob]) != str(expected[knob])]
+
+
+def checkpointing_mismatch(plan: dict[str, Any], calls: list[int]) -> str | None:
+    """Why the checkpoint calls counted per forward do not match the candidate's ``checkpointing`` (pure):
+    ``none`` makes none; anything else makes some, and exactly ``plan["expect"]["checkpoint_calls"]`` per forward
+    where the plan knows it (the model section's blocks: full → every block, every_K → one in K)."""
+    knob, exact = plan["expect"]["checkpointing"], plan["expect"].get("checkpoint_calls")
+    if not calls:
+        return None
+    seen = max(calls)
+    if knob == "none":
+        return None if seen == 0 else (f"checkpointing: the candidate's is none, the script's forward checkpointed "
+                                       f"{seen} block(s)")
+    if seen == 0 or (exact is not None and seen != exact):
+        want = f"{exact} checkpointed block(s) per forward" if exact is not None else "recomputation"
+        return (f"checkpointing: the candidate's is {knob} ({want}), the script's forward checkpointed {seen} "
+                "(does the command pass {checkpointing} or {gradient_checkpointing} to the script?)")
+    return None
+
+
+
+def batch_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(tokens, samples) of the batch a forward sees: its ``input_ids`` (else the first integer tensor)."""
+    import torch
+
+    candidates = [kwargs.get("input_ids"), *args, *kwargs.values()]
+    if args and isinstance(args[0], dict):
+        candidates.insert(0, args[0].get("input_ids"))
+    for value in candidates:
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and not value.is_floating_point():
+            return int(value.numel()), int(value.shape[0])
+    return None, None

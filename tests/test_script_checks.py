@@ -1,0 +1,49 @@
+"""What the script hook checks without a rank (launchers/workloads/script_checks.py): which process it measures,
+the engine against the candidate, recomputation against ``checkpointing``, the batch a forward sees."""
+
+from __future__ import annotations
+
+import torch
+
+from launchers.workloads.script_checks import batch_shape, checkpointing_mismatch, engine_mismatches, wanted
+
+EXPECT = {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "zero_stage": 3, "precision": "bf16",
+          "offload_optimizer": "cpu", "offload_param": "none", "checkpointing": "full", "checkpoint_calls": 4}
+
+
+def test_only_a_rank_torchrun_started_and_no_child_of_it_is_measured():
+    rank = {"DSOPT_HOOK_PLAN": "/t/plan.json", "LOCAL_RANK": "0", "GROUP_RANK": "0"}
+    assert wanted(rank)
+    assert not wanted({k: v for k, v in rank.items() if k != "GROUP_RANK"})  # torchrun's agent
+    assert not wanted({**rank, "DSOPT_HOOK_ACTIVE": "123"})  # a process the measured rank spawned
+    assert not wanted({**rank, "DSOPT_HOOK_PLAN": ""})
+
+
+def test_every_knob_the_engine_runs_otherwise_is_named():
+    actual = {**EXPECT, "zero_stage": 2, "precision": "fp32"}
+    assert engine_mismatches({"expect": EXPECT}, actual) == [
+        "zero_stage: the candidate's is 3, the script's engine runs 2",
+        "precision: the candidate's is bf16, the script's engine runs fp32"]
+    assert engine_mismatches({"expect": EXPECT}, dict(EXPECT)) == []
+
+
+def test_recomputation_is_counted_per_forward():
+    plan = {"expect": EXPECT}
+    assert checkpointing_mismatch(plan, [4, 4]) is None
+    assert "checkpointed 0" in checkpointing_mismatch(plan, [0, 0])
+    assert "(4 checkpointed block(s) per forward), the script's forward checkpointed 2" in \
+        checkpointing_mismatch(plan, [2])
+    none = {"expect": {**EXPECT, "checkpointing": "none", "checkpoint_calls": 0}}
+    assert checkpointing_mismatch(none, [0]) is None
+    assert "the candidate's is none, the script's forward checkpointed 4" in checkpointing_mismatch(none, [4])
+    unknown = {"expect": {**EXPECT, "checkpointing": "selective", "checkpoint_calls": None}}
+    assert checkpointing_mismatch(unknown, [3]) is None
+    assert checkpointing_mismatch(plan, []) is None  # no forward seen: nothing to say yet
+
+
+def test_the_batch_a_forward_sees():
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    assert batch_shape((), {"input_ids": ids, "labels": ids}) == (64, 4)
+    assert batch_shape((ids,), {}) == (64, 4)
+    assert batch_shape(({"input_ids": ids[:2]},), {}) == (32, 2)
+    assert batch_shape((torch.zeros(4, 8),), {}) == (None, None)  # floating inputs: no tokens to count
