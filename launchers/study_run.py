@@ -35,6 +35,7 @@ from launchers.progress import Progress, ProgressMode
 from launchers.trial import reference_key, reference_losses, run_trial, trial_dir_for
 from optimizer.ledger.core import evaluate
 from optimizer.ledger.items import Location
+from optimizer.ledger.transformer import parameter_count
 from optimizer.perf.hardware_profiles import profile_mismatch
 from optimizer.results.device_budget import capacity_note
 from optimizer.results.trial_result import StopAbove, TrialResult
@@ -70,7 +71,7 @@ from optimizer.search.space import Branches, branches, distribution_params, in_s
 from optimizer.search.storage import StorageKind, check_shared_storage, storage_kind
 from optimizer.search.untried import untried_text
 from optimizer.study.knobs import Candidate
-from optimizer.study.specs import baseline_candidate
+from optimizer.study.specs import TransformerModel, baseline_candidate
 from optimizer.study.study_file import StudySpec
 
 TrialState = optuna.trial.TrialState
@@ -188,6 +189,7 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     say_capacity(stated, study, said=capacity_said, worker=worker)
 
     mismatch_said: list[str] = []  # a device unlike hardware.profile: said once
+    script_said: list[str] = []  # a script's model unlike the model section: said once
 
     def launch(candidate: Candidate) -> TrialResult:
         report.started(candidate)
@@ -198,6 +200,7 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
                            step_s=None if isinstance(step, str) else step.total_s, gpus=gpus,
                            stop_above=stop_above(spec, candidate))
         say_profile_mismatch(spec, result, said=mismatch_said, worker=worker)
+        say_script_model(spec, result, said=script_said, worker=worker)
         record_measured_reserve(study, result)
         record_measured_capacity(study, result)
         say_capacity(stated, study, said=capacity_said, worker=worker)
@@ -227,6 +230,20 @@ def say_profile_mismatch(spec: StudySpec, result: TrialResult, *, said: list[str
         return
     why = profile_mismatch(spec.hardware.profile, result.device_name, result.device_total_bytes)
     if why is not None:
+        said.append(why)
+        _say(worker, f"warning: {why}")
+
+
+def say_script_model(spec: StudySpec, result: TrialResult, *, said: list[str], worker: str) -> None:
+    """Once per worker: the model the user's script trains (``trial.command``) is not the model section's, so the
+    ledger plans and prunes another model (both counts are in the trial's ``result.json`` and ``plan.json``)."""
+    if result.script_parameters is None or not isinstance(spec.model, TransformerModel):
+        return
+    planned = parameter_count(spec.model)
+    why = (f"the script trains {result.script_parameters:,} parameters, the study's model section plans "
+           f"{planned:,}: the ledger's figures and its pruning describe another model — make the model section the "
+           "script's (hf_config, shape keys or an entry point)")
+    if result.script_parameters != planned and why not in said:
         said.append(why)
         _say(worker, f"warning: {why}")
 

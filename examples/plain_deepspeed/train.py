@@ -21,20 +21,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 HERE = Path(__file__).resolve().parent
 
 
-class TextBlocks(torch.utils.data.Dataset):
-    """A text file as blocks of ``length`` bytes (byte-level tokens: the model's vocabulary is 256)."""
-
-    def __init__(self, path: Path, length: int) -> None:
-        data = torch.tensor(list(path.read_bytes()), dtype=torch.long)
-        self.blocks = data[: len(data) // length * length].view(-1, length)
-
-    def __len__(self) -> int:
-        return len(self.blocks)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.blocks[index]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(HERE.parent / "tiny-llama"), help="a transformers config folder")
@@ -52,9 +38,10 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model))
     if args.gradient_checkpointing == "full":
         model.gradient_checkpointing_enable()
-    dataset = TextBlocks(Path(args.data), args.sequence_length)
+    data = torch.tensor(list(Path(args.data).read_bytes()), dtype=torch.long)  # byte-level tokens (vocabulary 256)
+    blocks = data[: len(data) // args.sequence_length * args.sequence_length].view(-1, args.sequence_length)
     engine, _, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
-                                                training_data=dataset)
+                                                training_data=list(blocks))
     engine.train()
     while engine.global_steps < args.max_steps:
         for batch in loader:

@@ -25,6 +25,19 @@ def engine_mismatches(plan: dict[str, Any], actual: dict[str, Any]) -> list[str]
                          "offload_optimizer", "offload_param") if str(actual[knob]) != str(expected[knob])]
 
 
+def engine_knobs(engine: Any) -> dict[str, Any]:
+    """The knobs a DeepSpeed engine runs, as :func:`engine_mismatches` compares them (engine.py's accessors)."""
+    offload_optimizer, offload_param = engine.zero_offload_optimizer(), engine.zero_offload_param()
+    return {
+        "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
+        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+        "zero_stage": int(engine.zero_optimization_stage()),
+        "precision": "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32",
+        "offload_optimizer": "none" if offload_optimizer is None else str(offload_optimizer.device.value),
+        "offload_param": "none" if offload_param is None else str(offload_param.device.value),
+    }
+
+
 def checkpointing_mismatch(plan: dict[str, Any], calls: list[int]) -> str | None:
     """Why the checkpoint calls counted per forward do not match the candidate's ``checkpointing`` (pure):
     ``none`` makes none; anything else makes some, and exactly ``plan["expect"]["checkpoint_calls"]`` per forward

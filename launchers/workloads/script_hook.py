@@ -18,13 +18,14 @@ What the hook does, in order:
   gradient accumulation, ZeRO stage, precision, optimizer and parameter offload (:func:`engine_mismatches`); a
   difference is a trial error naming the knob — the script did not train with the candidate's config;
 * wraps the engine's ``forward`` (the tokens and the batch it sees, the checkpoint calls), ``backward`` (the loss
-  it is given) and ``step``: an optimizer step is a step that advanced ``engine.global_steps``
-  (engine.py:3558, overflow-skipped steps included, as DeepSpeed counts them). After each: the loss (mean of the
-  rank's micro-batches, then of the ranks), the gradient norm, whether it was applied, the fp16 loss scale; the
-  step's time is the wall time since the previous optimizer step ended — the script's whole step, its data
-  loading included; after the warm-up the CPU profiler stops (its peak covers the warm-up, as the built-in
-  trial's) and checkpointing is checked; after warm-up + measured steps the rank writes ``rank<r>.json`` in the
-  built-in trial's format (:mod:`launchers.workloads.trial_rank`), meets the others and exits 0.
+  it is given) and ``step``: an optimizer step is a step that advanced ``engine.global_steps`` (engine.py:3558,
+  overflow-skipped steps included, as DeepSpeed counts them). After each: the loss — per rank the sum of the
+  micro-batches' shares, each the argument divided by the accumulation where DeepSpeed divides it, as given where
+  the script did (``scale_wrt_gas=False``); then the mean of the ranks — the gradient norm, whether it was
+  applied, the fp16 loss scale; the step's time is the wall time since the previous optimizer step ended — the
+  script's whole step, its data loading included; after the warm-up the CPU profiler stops (its peak covers the
+  warm-up, as the built-in trial's) and checkpointing is checked; after warm-up + measured steps the rank writes
+  ``rank<r>.json`` in the built-in trial's format (:mod:`launchers.workloads.trial_rank`), meets the others, exits 0.
 
 What the hook cannot see is an error, not a figure: a script that never calls ``deepspeed.initialize`` or ends
 before the measured steps writes a ``crash`` report saying so (at exit); an exception the script does not catch
@@ -47,7 +48,7 @@ from types import ModuleType
 from typing import Any
 
 from launchers.workloads.after_import import AfterImport
-from launchers.workloads.script_checks import batch_shape, checkpointing_mismatch, engine_mismatches
+from launchers.workloads.script_checks import batch_shape, checkpointing_mismatch, engine_knobs, engine_mismatches
 from launchers.workloads.script_vars import ACTIVE_VAR, OUT_VAR, PLAN_VAR
 
 INIT_MARK = "dsopt.init"
@@ -161,18 +162,6 @@ def _patch_deepspeed(deepspeed: ModuleType) -> None:
     deepspeed.initialize = initialize
 
 
-def _actual(engine: Any) -> dict[str, Any]:
-    offload_optimizer, offload_param = engine.zero_offload_optimizer(), engine.zero_offload_param()
-    return {
-        "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
-        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-        "zero_stage": int(engine.zero_optimization_stage()),
-        "precision": "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32",
-        "offload_optimizer": "none" if offload_optimizer is None else str(offload_optimizer.device.value),
-        "offload_param": "none" if offload_param is None else str(offload_param.device.value),
-    }
-
-
 def _on_engine(engine: Any) -> None:
     """The init phase ends: read its peaks, check the engine against the candidate, wrap its step."""
     import torch
@@ -193,7 +182,7 @@ def _on_engine(engine: Any) -> None:
     state.init["built_partitioned"] = any(hasattr(p, "ds_id") for p in parameters)
     state.init["script_parameters"] = sum(int(getattr(p, "ds_numel", p.numel())) for p in parameters)
     state.engine = engine
-    mismatches = engine_mismatches(state.plan, _actual(engine))
+    mismatches = engine_mismatches(state.plan, engine_knobs(engine))
     if mismatches:
         _finish("crash", error_type="NotTheCandidate", message="the script's DeepSpeed engine is not the candidate's "
                 "(does the script pass {ds_config} to DeepSpeed?): " + "; ".join(mismatches), code=1)
@@ -210,7 +199,12 @@ def _on_engine(engine: Any) -> None:
         return out
 
     def wrapped_backward(loss: Any, *args: Any, **kwargs: Any) -> Any:
-        state.step_losses.append(float(loss.detach().float()))
+        # The step's loss is the sum of what each micro-batch adds to it: DeepSpeed divides the argument by the
+        # accumulation unless told the script did (scale_wrt_gas=False, engine.py:3382 — the HF Trainer's way,
+        # transformers/trainer.py "Turning off loss scaling w.r.t. gradient accumulation when DeepSpeed is enabled").
+        scaled = kwargs.get("scale_wrt_gas", args[1] if len(args) > 1 else True)
+        value = float(loss.detach().float())
+        state.step_losses.append(value / engine.gradient_accumulation_steps() if scaled else value)
         return backward(loss, *args, **kwargs)
 
     def wrapped_step(*args: Any, **kwargs: Any) -> Any:
@@ -241,7 +235,8 @@ def _after_optimizer_step() -> None:
                           device=engine.device)
     if dist.is_initialized():
         dist.all_reduce(totals)
-    loss = float(totals[0] / totals[1]) if float(totals[1]) else float("nan")
+    loss = float(totals[0]) / (dist.get_world_size() if dist.is_initialized() else 1) if float(totals[1]) \
+        else float("nan")
     state.step_losses, state.step_tokens = [], 0
     fp16 = state.plan["config"].get("fp16") if (state.plan["config"].get("fp16") or {}).get("enabled") else None
     norm = engine.get_global_grad_norm()
@@ -371,11 +366,22 @@ def _finish(status: str, *, code: int = 0, **failure: Any) -> None:
     os._exit(code)
 
 
+def _drop_profiler() -> None:
+    """Stop a CPU profiler still running when the script ends on its own (a live one crashes the exit)."""
+    if _state is not None and _state.profiler is not None:
+        from launchers.workloads.cpu_memory import count_every_thread
+
+        _state.profiler.stop()
+        _state.profiler = None
+        count_every_thread(False)
+
+
 def _fail(error: BaseException) -> None:
     """An exception the script did not catch: classified as the built-in trial's (never raises)."""
     if _state is None or _state.reported:
         return
     try:
+        _drop_profiler()
         from launchers.workloads.trial_rank import classify
 
         kind = classify(error, cpu_ranks=not _state.cuda)
@@ -399,6 +405,7 @@ def _at_exit() -> None:
                f"{state.plan['warmup_steps']} + measured {state.plan['measured_steps']}): let it run at least "
                "{max_steps} steps (a placeholder for the script's step limit)")
     try:
+        _drop_profiler()
         _write(_report("crash", error_type="ScriptEnded", message=why))
     except Exception:  # never in the way of the script's own exit
         traceback.print_exc()

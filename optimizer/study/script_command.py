@@ -136,3 +136,13 @@ def command_values(*, candidate: Candidate, ds_config: str, trial_dir: str, glob
 
 def _flag(on: bool) -> str:
     return "true" if on else "false"
+
+
+def exported_command(command: ScriptCommand, *, candidate: Candidate, ds_config: str, global_batch_size: int,
+                     world_size: int, seed: int, sequence_length: int) -> tuple[str, ...]:
+    """The command line that trains with an exported config: the candidate's values, ``ds_config`` the exported
+    file; ``{trial_dir}`` and ``{max_steps}``, which only a trial fixes, left for the user to fill."""
+    values = command_values(candidate=candidate, ds_config=ds_config, trial_dir="{trial_dir}",
+                            global_batch_size=global_batch_size, world_size=world_size, seed=seed, max_steps=0,
+                            sequence_length=sequence_length)
+    return substitute(command.argv, {**values, "max_steps": "{max_steps}"})
