@@ -26,10 +26,8 @@ from optimizer.study.study_file import StudySpec
 def script_path(study: StudySpec) -> Path | None:
     """The script file the command runs (``python X.py …`` or ``X.py …``), where there is one."""
     assert study.trial.command is not None
-    argv = study.trial.command.argv
-    name = argv[1] if len(argv) > 1 and Path(argv[0]).name.startswith("python") else argv[0]
-    path = study.path.parent / name
-    return path if name.endswith(".py") and path.is_file() else None
+    name = study.trial.command.script
+    return None if name is None or not (study.path.parent / name).is_file() else study.path.parent / name
 
 
 def checkpoint_calls(candidate: Candidate, layers: int) -> int | None:
@@ -70,8 +68,8 @@ def script_plan(study: StudySpec, candidate: Candidate, config: dict[str, Any]) 
     }
 
 
-def script_command(study: StudySpec, candidate: Candidate, *, config: dict[str, Any], trial_dir: Path,
-                   launch_config: dict[str, Any]) -> tuple[str, ...]:
+def script_command(study: StudySpec, candidate: Candidate, *, launch_config: dict[str, Any],
+                   trial_dir: Path) -> tuple[str, ...]:
     """The candidate's command line: the JSON the script gets written beside the trial's ``ds_config.json`` —
     ``ds_config.run.json``, the launch's own (its NVMe swap folder), in the study's style (``hf``: "auto" batch
     sizes, :func:`optimizer.results.export.hf_auto`) — and every placeholder filled."""
@@ -81,7 +79,7 @@ def script_command(study: StudySpec, candidate: Candidate, *, config: dict[str, 
     path = trial_dir / "ds_config.run.json"
     path.write_text(json.dumps(given, indent=2) + "\n")
     trial = study.trial
-    steps = trial.warmup_steps + trial.measured_steps + skip_allowance(config.get("fp16")) + 1
+    steps = trial.warmup_steps + trial.measured_steps + skip_allowance(launch_config.get("fp16")) + 1
     values = command_values(candidate=candidate, ds_config=str(path.resolve()), trial_dir=str(trial_dir.resolve()),
                             global_batch_size=study.training.global_batch_size,
                             world_size=study.hardware.world_size, seed=trial.seed, max_steps=steps,

@@ -223,7 +223,7 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
     (trial_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
     ranks = study.hardware.world_size
     rank_command = None if study.trial.command is None else script_command(
-        study, candidate, config=plan["config"], trial_dir=trial_dir, launch_config=plan["config"])
+        study, candidate, launch_config=plan["config"], trial_dir=trial_dir)
     launch = trial_launch_plan(study, plan_path=trial_dir / "plan.json", out_dir=trial_dir, launch_id=launch_id,
                                gpus=gpus, slurm_nodes=slurm_nodes, rank_command=rank_command)
     log_path = trial_dir / "log.txt"

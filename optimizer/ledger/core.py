@@ -146,6 +146,8 @@ class Ledger:
         """How far training's measured peak (:attr:`training_bytes`) may exceed the ledger in a run where the
         :attr:`risks` items are live: 0 without risks, at most their sum (they may fall outside the peak's
         phase). The launch margin covers it (:meth:`optimizer.search.ordering.StudyModels.margin_bytes`)."""
+        if not self.risks:  # every GPU ledger, most CPU ones: assess() asks this for every candidate
+            return 0
         where = self.host_locations if self.device_is_host else (Location.GPU,)
         return self.training_bytes_at(where, risks=True) - self.training_bytes_at(where)
 

@@ -69,6 +69,14 @@ class ScriptCommand:
         """The placeholders the command holds."""
         return placeholders(self.argv)
 
+    @property
+    def script(self) -> str | None:
+        """The Python file the command runs (``python X.py …`` or ``X.py …``), relative to the study file's folder;
+        None for another program or a name built from placeholders."""
+        argv = self.argv
+        name = argv[1] if len(argv) > 1 and argv[0].rsplit("/", 1)[-1].startswith("python") else argv[0]
+        return name if name.endswith(".py") and "{" not in name else None
+
 
 def placeholders(argv: Sequence[str]) -> frozenset[str]:
     """The placeholder names in ``argv``; ValueError for an unknown one or a stray brace."""

@@ -180,10 +180,8 @@ def _check_script(command: ScriptCommand, *, space: SearchSpace, study_path: Pat
     if missing:
         raise UserError(source=source, key="trial.command", why="a searched knob cannot reach the script: "
                         + "; ".join(missing) + " (or search one value of it)")
-    argv = command.argv
-    script = argv[1] if len(argv) > 1 and Path(argv[0]).name.startswith("python") and argv[1].endswith(".py") \
-        else argv[0] if argv[0].endswith(".py") else None
-    if script is not None and "{" not in script and not (study_path.parent / script).is_file():
+    script = command.script
+    if script is not None and not (study_path.parent / script).is_file():
         raise UserError(source=source, key="trial.command", why=f"script {script!r} not found (looked at "
                         f"{(study_path.parent / script).resolve()}; the command runs in the study file's folder)")
 
