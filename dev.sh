@@ -31,6 +31,7 @@ case "${1:-}" in
   test)
     setup
     "$venv/bin/ruff" check optimizer launchers tests benchmarks examples
+    "$venv/bin/lint-imports"   # the layers contract in pyproject.toml
     "$py" -m pytest -q
     ;;
   services)

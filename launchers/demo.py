@@ -17,8 +17,8 @@ from launchers.study_run import default_storage, run_study
 from optimizer.results.export import export_text, exported_config, write_atomically
 from optimizer.results.pareto import pick_trial
 from optimizer.results.pareto_plot import write_html, write_png
-from optimizer.results.progress import counts
 from optimizer.search.coordination import REFERENCE_LAUNCHES_ATTR, launches_used
+from optimizer.search.progress import counts
 from optimizer.study.study_file import StudySpec
 
 DEMO_STUDY = Path(__file__).resolve().parents[1] / "studies" / "demo-cpu.yaml"

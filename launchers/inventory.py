@@ -1,4 +1,4 @@
-"""The parameter inventory of the study's model, taken from the model itself (:mod:`optimizer.ledger.inventory`).
+"""The parameter inventory of the study's model, taken from the model itself (:mod:`optimizer.study.inventory`).
 
 The model — a ``transformers`` config (``model.hf_config``: ``AutoModelForCausalLM.from_config``, as trials build
 it) or a ``model.entry_point`` — is built on ``FakeTensorMode`` (meta-backed tensors: shapes and dtypes, nothing
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 from launchers.cache_dir import cache_dir, source_digest
 from launchers.json_cache import KeyedJsonStore
 from optimizer.deepspeed.versions import installed_versions
-from optimizer.ledger.inventory import InventoryTensor, ParameterInventory, inventory_key
 from optimizer.study.errors import UserError, error_summary
+from optimizer.study.inventory import InventoryTensor, ParameterInventory, inventory_key
 from optimizer.study.specs import TransformerModel
 from optimizer.study.study_file import StudySpec
 

@@ -46,8 +46,8 @@ from pathlib import Path
 from launchers.local import execute, extensions_dir
 from launchers.op_needs import Op, allowed_offloads, missing_reason, note_missing, ops_for, ops_needed
 from launchers.trial import reference_candidate, trial_launch_plan
-from optimizer.ledger.constraints import invalid_reasons
 from optimizer.search.space import branches, in_space
+from optimizer.study.constraints import invalid_reasons
 from optimizer.study.errors import UserError
 from optimizer.study.knobs import Candidate
 from optimizer.study.specs import baseline_candidate

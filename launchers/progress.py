@@ -1,7 +1,7 @@
 """How a running study reports: ``human`` (one line per finished trial on stderr, and on a terminal a live
 status line kept at the bottom with tqdm), ``quiet`` (only what the worker says when it starts waiting or
 stops, and errors) or ``jsonl`` (one JSON object per finished trial on stdout, for scripts; nothing else on
-stdout). The lines' format is :mod:`optimizer.results.progress`'s.
+stdout). The lines' format is :mod:`optimizer.search.progress`'s.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 import optuna
 
-from optimizer.results.progress import counts, eta_s, status_text, trial_line, trial_summary
+from optimizer.search.progress import counts, eta_s, status_text, trial_line, trial_summary
 from optimizer.study.knobs import Candidate
 
 

@@ -36,7 +36,6 @@ from launchers.trial import reference_key, reference_losses, run_trial, trial_di
 from optimizer.ledger.core import evaluate
 from optimizer.ledger.items import Location
 from optimizer.ledger.transformer import parameter_count
-from optimizer.perf.hardware_profiles import profile_mismatch
 from optimizer.results.device_budget import capacity_note
 from optimizer.results.trial_result import StopAbove, TrialResult
 from optimizer.search.coordination import (
@@ -70,6 +69,7 @@ from optimizer.search.ordering import (
 from optimizer.search.space import Branches, branches, distribution_params, in_space
 from optimizer.search.storage import StorageKind, check_shared_storage, storage_kind
 from optimizer.search.untried import untried_text
+from optimizer.study.hardware_profiles import profile_mismatch
 from optimizer.study.knobs import Candidate
 from optimizer.study.specs import TransformerModel, baseline_candidate
 from optimizer.study.study_file import StudySpec
@@ -225,7 +225,7 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
 
 def say_profile_mismatch(spec: StudySpec, result: TrialResult, *, said: list[str], worker: str) -> None:
     """Once per worker (``said`` keeps it): the device a trial reports is not the study's ``hardware.profile``
-    (:func:`optimizer.perf.hardware_profiles.profile_mismatch`), so its speed figures describe another GPU."""
+    (:func:`optimizer.study.hardware_profiles.profile_mismatch`), so its speed figures describe another GPU."""
     if said or spec.hardware.profile is None or result.device_name is None:
         return
     why = profile_mismatch(spec.hardware.profile, result.device_name, result.device_total_bytes)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from launchers.cache_dir import cache_dir, source_digest
 from launchers.json_cache import KeyedJsonStore
 from optimizer.deepspeed.versions import installed_versions
-from optimizer.ledger.constraints import invalid_reasons
+from optimizer.study.constraints import invalid_reasons
 from optimizer.study.knobs import Candidate, Precision, parse_checkpointing, with_knobs
 from optimizer.study.specs import TransformerModel, baseline_candidate
 from optimizer.study.study_file import StudySpec
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 TRACE_CODE = ("launchers.trace", "launchers.trace_depth", "launchers.workloads.builtin",
               "launchers.workloads.construction", "launchers.workloads.hf_model", "launchers.workloads.fake_kernels",
-              "optimizer.ledger.zero3_gather", "optimizer.deepspeed.zero_settings")
+              "optimizer.deepspeed.zero3_gather", "optimizer.deepspeed.zero_settings")
 """dsopt's modules that make a whole-model trace (the tracer, the depth extension, the models it builds, the
 ZeRO-3 replay): their source is in every key, so an edit of any of them traces again."""
 ENTRY_FORMAT = 1
@@ -225,7 +225,7 @@ def fill(cache: TraceCache, jobs: Sequence[dict[str, Any]], *, workers: int | No
 
 def traceable_options(study: StudySpec) -> list[tuple[str, Precision]]:
     """(checkpointing, precision) pairs a trial could run: the study's space and its FP32 baseline, less what
-    :func:`optimizer.ledger.constraints.invalid_reasons` refuses (an unsupported precision, selective recompute of a
+    :func:`optimizer.study.constraints.invalid_reasons` refuses (an unsupported precision, selective recompute of a
     transformers model, every_K past the last block)."""
     values = dict(study.search_space.values)
     base = baseline_candidate(study.training)

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from launchers.workloads.fake_kernels import grouped_mm_for_fake_tensors
+from optimizer.deepspeed.zero3_gather import gathered
 from optimizer.deepspeed.zero_settings import gather_settings
-from optimizer.ledger.zero3_gather import gathered
 from optimizer.study.knobs import Precision
 
 DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
@@ -80,7 +80,7 @@ class TraceResult:
     """The same at moments once some gradient exists (``working_segments`` is the larger of the two)."""
     zero3_gathered_elements: int = 0
     """The most parameter elements ZeRO-3 would keep gathered at once over this step: DeepSpeed's coordinator
-    replayed over the traced module order (:mod:`optimizer.ledger.zero3_gather`)."""
+    replayed over the traced module order (:mod:`optimizer.deepspeed.zero3_gather`)."""
     zero3_gathered_after_forward: int = 0
     """Of those, what is gathered when forward ends."""
     notes: tuple[str, ...] = ()
@@ -289,7 +289,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
 def _zero3_gathered(model: nn.Module, modules: list[nn.Module], events: list[tuple[str, int]],
                     model_spec: dict[str, Any]) -> tuple[int, int]:
     """(most, after forward) parameter elements ZeRO-3 keeps gathered over this traced step, with the sizes
-    dsopt sets for the model (:mod:`optimizer.ledger.zero3_gather`)."""
+    dsopt sets for the model (:mod:`optimizer.deepspeed.zero3_gather`)."""
     if not model_spec.get("hidden_size"):
         return 0, 0  # the sizes dsopt sets come from the width
     index = {id(p): i for i, p in enumerate(model.parameters())}

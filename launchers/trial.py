@@ -37,11 +37,11 @@ from launchers.op_needs import missing_here, missing_reason
 from launchers.script_trial import script_command, script_plan, script_tokens_per_step
 from optimizer.deepspeed.config import build_ds_config
 from optimizer.deepspeed.versions import installed_versions, warn_deepspeed_mismatch
-from optimizer.ledger.constraints import invalid_reasons
 from optimizer.ledger.core import evaluate
 from optimizer.perf.throughput import predict_candidate
 from optimizer.results.trial_result import Outcome, StopAbove, TrialResult, summarize, wrong_device
 from optimizer.search.coordination import now_utc, worker_id
+from optimizer.study.constraints import invalid_reasons
 from optimizer.study.errors import UserError
 from optimizer.study.knobs import Candidate, FullCheckpointing, OffloadDevice, ZeroStage
 from optimizer.study.specs import Accelerator, TransformerModel, baseline_candidate

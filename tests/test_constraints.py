@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from optimizer.ledger.constraints import gradient_accumulation_steps, invalid_reasons
 from optimizer.ledger.core import InvalidCandidate, compute_ledger, evaluate
+from optimizer.study.constraints import gradient_accumulation_steps, invalid_reasons
 from optimizer.study.knobs import Precision, with_knobs
 from optimizer.study.specs import (
     Accelerator,

@@ -12,12 +12,12 @@ from trial_fixtures import rank_report
 from launchers.study_run import say_profile_mismatch
 from launchers.trial import result_json
 from launchers.workloads.device_identity import device_identity
-from optimizer.ledger.constraints import invalid_reasons
 from optimizer.ledger.transformer import parameter_count
-from optimizer.perf.hardware_profiles import PROFILES, profile_for_device, profile_mismatch, profile_named
 from optimizer.perf.throughput import StepTime, predict_candidate, work
 from optimizer.results.trial_result import summarize
+from optimizer.study.constraints import invalid_reasons
 from optimizer.study.errors import UserError
+from optimizer.study.hardware_profiles import PROFILES, profile_for_device, profile_mismatch, profile_named
 from optimizer.study.knobs import Precision, with_knobs
 from optimizer.study.specs import baseline_candidate
 from optimizer.study.study_file import load_study

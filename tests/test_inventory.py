@@ -1,4 +1,4 @@
-"""The parameter inventory (optimizer/ledger/inventory.py, launchers/inventory.py): taken from the model itself on fake
+"""The parameter inventory (optimizer/study/inventory.py, launchers/inventory.py): taken from the model itself on fake
 tensors, equal to the hand layout where the layout is right, and what the ledger counts where it is not."""
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from launchers.trial import model_dict
 from launchers.workloads.builtin import GPT
 from optimizer.cli import main
 from optimizer.ledger.core import compute_ledger
-from optimizer.ledger.inventory import InventoryTensor, ParameterInventory
 from optimizer.ledger.transformer import (
     largest_layer_parameters,
     largest_tensor_parameters,
@@ -27,6 +26,7 @@ from optimizer.ledger.transformer import (
     persistent_parameters,
     zero3_partition_elements,
 )
+from optimizer.study.inventory import InventoryTensor, ParameterInventory
 from optimizer.study.knobs import with_knobs
 from optimizer.study.specs import TransformerModel, baseline_candidate
 from optimizer.study.study_file import load_study

@@ -16,9 +16,9 @@ import pytest
 
 from optimizer.ledger.core import Ledger, evaluate
 from optimizer.ledger.items import Category, LedgerItem, Location, Phase
-from optimizer.ledger.report import all_json, all_table, ledger_json
 from optimizer.perf.throughput import StepTime
 from optimizer.results.plan import Limit, Shortfall, plan_json, plan_text, shortfalls
+from optimizer.results.report import all_json, all_table, ledger_json
 from optimizer.study.search_space import parse_search_space
 from optimizer.study.specs import ModelInit, TrainingSpec, baseline_candidate
 from optimizer.study.study_file import load_study
@@ -305,7 +305,7 @@ def test_a_v100_study_plans_with_speeds_and_without_bf16():
 def test_a_risk_is_printed_apart_from_the_need(repo_root):
     # cpu-tiny's z0 bf16 on 2 CPU ranks: the flatten gloo may free late (2Ψ = 241,152 B, Ψ = 120,576) is listed
     # under the peak table as live in some runs only; the need (2,893,824 B) and the items leave it out.
-    from optimizer.ledger.report import ledger_table
+    from optimizer.results.report import ledger_table
     from optimizer.study.knobs import Precision
 
     tiny = load_study(repo_root / "studies" / "cpu-tiny.yaml")

@@ -9,8 +9,8 @@ import pytest
 
 from optimizer.ledger.transformer import parameter_count
 from optimizer.perf.calibration import MemorySample, TimeSample, fit_rates, memory_factor
-from optimizer.perf.hardware_profiles import profile_named
 from optimizer.perf.throughput import FEATURES, Rates, predict, predict_candidate, profile_rates, work
+from optimizer.study.hardware_profiles import profile_named
 from optimizer.study.knobs import with_knobs
 from optimizer.study.specs import baseline_candidate
 from optimizer.study.study_file import load_study

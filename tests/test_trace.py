@@ -14,8 +14,8 @@ from launchers.trace import TraceFailure, TraceResult, trace
 from launchers.trial import model_dict
 from optimizer.cli import main
 from optimizer.ledger.core import compute_ledger, evaluate
-from optimizer.ledger.report import ledger_json
 from optimizer.ledger.transformer import activation_estimate, head_terms, largest_layer_parameters, parameter_count
+from optimizer.results.report import ledger_json
 from optimizer.study.knobs import Precision, parse_checkpointing, with_knobs
 from optimizer.study.specs import ActivationSource, MlpKind, NormKind, baseline_candidate
 from optimizer.study.study_file import load_study

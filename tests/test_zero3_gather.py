@@ -1,4 +1,4 @@
-"""DeepSpeed's ZeRO-3 coordinator replayed (optimizer/ledger/zero3_gather.py): hand-worked orders, from its rules.
+"""DeepSpeed's ZeRO-3 coordinator replayed (optimizer/deepspeed/zero3_gather.py): hand-worked orders, from its rules.
 
 The real-DeepSpeed check (the replay equals the parameters DeepSpeed holds gathered or in flight when forward
 ends, on 2 CPU ranks) is tests/deepspeed/test_zero3_gather_real.py.
@@ -6,7 +6,7 @@ ends, on 2 CPU ranks) is tests/deepspeed/test_zero3_gather_real.py.
 
 from __future__ import annotations
 
-from optimizer.ledger.zero3_gather import GatherSettings, gathered, replay
+from optimizer.deepspeed.zero3_gather import GatherSettings, gathered, replay
 
 # Three leaf modules a, b, c in a container r: r(a(), b(), c()), then backward c, b, a (r last).
 # Parameters: a owns 0 (100 elements), b owns 1 (100), c owns 2 (100); r owns none.

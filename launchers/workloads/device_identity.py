@@ -1,7 +1,7 @@
 """Which device a trial rank ran on: its CUDA name and total memory, for the rank report.
 
 The study loop compares them with the study's ``hardware.profile``
-(:func:`optimizer.perf.hardware_profiles.profile_mismatch`), so speed figures for one GPU are not silently
+(:func:`optimizer.study.hardware_profiles.profile_mismatch`), so speed figures for one GPU are not silently
 used on another. ``torch.cuda.get_device_name`` and ``torch.cuda.get_device_properties(dev).total_memory``
 are PyTorch's (``torch/cuda/__init__.py``); CPU ranks report None for both. The total is also the device's real
 capacity: a study plans with the smaller of it and its ``gpu_memory``

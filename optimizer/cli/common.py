@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from optimizer.ledger.constraints import invalid_reasons
 from optimizer.ledger.transformer import parameter_count
 from optimizer.perf.throughput import StepTime, predict_candidate
 from optimizer.search.storage import load_stored
+from optimizer.study.constraints import invalid_reasons
 from optimizer.study.errors import UserError
 from optimizer.study.knobs import KNOB_NAMES, Candidate, parse_knob
 from optimizer.study.specs import SeedModel, TransformerModel, baseline_candidate

@@ -20,9 +20,9 @@ from optimizer.cli.common import (
 )
 from optimizer.deepspeed.versions import warn_deepspeed_mismatch
 from optimizer.ledger.core import Verdict, evaluate
-from optimizer.ledger.report import all_json, all_table, ledger_json, ledger_table, throughput_lines
 from optimizer.perf.throughput import StepTime
 from optimizer.results.plan import plan_json, plan_text
+from optimizer.results.report import all_json, all_table, ledger_json, ledger_table, throughput_lines
 from optimizer.study.errors import UserError
 from optimizer.study.knobs import KNOB_NAMES, Candidate
 from optimizer.study.specs import SeedModel, TransformerModel, baseline_candidate
@@ -147,7 +147,7 @@ def _plan_json(study: StudySpec, verdicts: list[Verdict], speeds: dict[str, Step
 
 
 def _ledger_calibrated(study: StudySpec, args: argparse.Namespace) -> int:
-    from optimizer.perf.calibration_report import calibration_table
+    from optimizer.search.calibration_report import calibration_table
     from optimizer.search.ordering import study_models
 
     if isinstance(study.model, SeedModel):

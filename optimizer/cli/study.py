@@ -16,7 +16,7 @@ def _run(study: StudySpec, storage: str, args: argparse.Namespace, *, parallel: 
     from launchers.progress import ProgressMode
     from launchers.study_run import run_study
     from launchers.trial import ReferenceFailed
-    from optimizer.results.progress import counts
+    from optimizer.search.progress import counts
 
     mode = ProgressMode.JSONL if args.jsonl else ProgressMode.QUIET if args.quiet else ProgressMode.HUMAN
     try:

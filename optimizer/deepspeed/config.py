@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from optimizer.deepspeed.zero_settings import zero_settings
-from optimizer.ledger.constraints import gradient_accumulation_steps
+from optimizer.study.constraints import gradient_accumulation_steps
 from optimizer.study.knobs import Candidate, OffloadDevice, Precision, ZeroStage
 from optimizer.study.specs import HardwareSpec, ModelSpec, Optimizer, SeedModel, TrainingSpec
 
@@ -37,7 +37,7 @@ def _offload_section(device: OffloadDevice, *, nvme_path: str | None) -> dict[st
 def build_ds_config(
     *, candidate: Candidate, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec
 ) -> dict[str, Any]:
-    """The DeepSpeed config for ``candidate`` (which must be valid; see :mod:`optimizer.ledger.constraints`)."""
+    """The DeepSpeed config for ``candidate`` (which must be valid; see :mod:`optimizer.study.constraints`)."""
     if isinstance(model, SeedModel):
         raise ValueError("a seed-mode model has no shape to run; give the study a transformer model")
     stage = candidate.zero_stage

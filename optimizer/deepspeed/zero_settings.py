@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from optimizer.ledger.zero3_gather import GatherSettings
+from optimizer.deepspeed.zero3_gather import GatherSettings
 from optimizer.study.knobs import ZeroStage
 from optimizer.study.specs import TransformerModel
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from optimizer.ledger.constraints import invalid_reasons
 from optimizer.ledger.items import TRANSIENT_PHASES, Category, LedgerItem, Location, Phase
 from optimizer.ledger.model_states import transformer_items
 from optimizer.ledger.seed import seed_items
+from optimizer.study.constraints import invalid_reasons
 from optimizer.study.knobs import Candidate
 from optimizer.study.specs import Accelerator, HardwareSpec, ModelSpec, SeedModel, TrainingSpec
 from optimizer.study.units import format_size

@@ -35,7 +35,6 @@ from optimizer.deepspeed.zero_settings import (
     zero_settings,
 )
 from optimizer.ledger.activations import activation_items, joint_trace, usable_trace
-from optimizer.ledger.constraints import gradient_accumulation_steps
 from optimizer.ledger.init_phase import construction_moments, init_items, init_moments, moment_bytes, parameter_location
 from optimizer.ledger.items import Category, LedgerItem, Location, Phase
 from optimizer.ledger.transformer import (
@@ -47,6 +46,7 @@ from optimizer.ledger.transformer import (
     zero3_partition_elements,
     zero12_partition,
 )
+from optimizer.study.constraints import gradient_accumulation_steps
 from optimizer.study.knobs import Candidate, OffloadDevice, Precision, ZeroStage
 from optimizer.study.specs import Accelerator, HardwareSpec, TrainingSpec, TransformerModel
 
@@ -272,7 +272,7 @@ def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, replayed
         items += [
             _item("parameters gathered at once (the coordinator replayed over the traced module order)",
                   Category.BUFFERS, Location.GPU, g * gathered, f"{g}·G, G = {gathered:,}",
-                  f"{DS} partitioned_param_coordinator.py:420-476, 634-665 (optimizer/ledger/zero3_gather.py)",
+                  f"{DS} partitioned_param_coordinator.py:420-476, 634-665 (optimizer/deepspeed/zero3_gather.py)",
                   Phase.BACKWARD),
             _item("full gradient of the module at hand", Category.BUFFERS, Location.GPU, g * z.largest_module,
                   f"{g}·LL", f"{DS} partition_parameters.py:1329-1346", Phase.BACKWARD)]

@@ -54,7 +54,7 @@ def parameter_tensors(model: TransformerModel) -> tuple[ParameterTensor, ...]:
     (LayerNorm: weight and bias of h; RMSNorm: weight). Learned positions add ``max_positions``·h;
     an untied LM head adds V·h.
     """
-    if model.inventory is not None:  # the model as its code builds it (optimizer/ledger/inventory.py)
+    if model.inventory is not None:  # the model as its code builds it (optimizer/study/inventory.py)
         return tuple(ParameterTensor(module=t.module, numel=t.numel) for t in model.inventory.tensors)
     return layout_tensors(model)
 

@@ -25,7 +25,7 @@ G = global batch, s sequence length, T = G·s/W tokens per rank, M = G/(micro-ba
 * **overhead** — a fixed time per micro-step that depends on the ZeRO stage (hooks, bucketing, launches).
   Unknown a priori (0 on GPUs before calibration); on CPU ranks it dominates small models.
 
-Figures come from :mod:`optimizer.perf.hardware_profiles`; a missing one makes the prediction ``None`` with the
+Figures come from :mod:`optimizer.study.hardware_profiles`; a missing one makes the prediction ``None`` with the
 reason, never a guess.
 """
 
@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from optimizer.ledger.constraints import gradient_accumulation_steps
 from optimizer.ledger.transformer import parameter_count
+from optimizer.study.constraints import gradient_accumulation_steps
 from optimizer.study.knobs import (
     Candidate,
     EveryKCheckpointing,
@@ -166,7 +166,7 @@ def profile_rates(*, hardware: HardwareSpec) -> Rates:
 
     The profile is the one the study resolved (:attr:`HardwareSpec.profile`: a built-in one or the study's own
     figures). One rate serves both 16-bit formats: bf16's figure where the study trains in bf16, else fp16's
-    (every datasheet in :mod:`optimizer.perf.hardware_profiles` prints the same figure for both; a V100 has fp16
+    (every datasheet in :mod:`optimizer.study.hardware_profiles` prints the same figure for both; a V100 has fp16
     only)."""
     profile = hardware.profile
     if profile is None:

@@ -9,7 +9,7 @@ reason the speed is unknown):
    of the capacity) and, where used, its host RAM and NVMe per node; the fastest named in the first lines; the
    top ``top`` rows shown and the rest counted (``--all`` lists them);
 2. the ``closest`` candidates that do not fit, by how far over their binding limit they are relative to that
-   limit, each with every limit it exceeds and by how much (:func:`~optimizer.ledger.report.shortfalls`);
+   limit, each with every limit it exceeds and by how much (:func:`~optimizer.results.report.shortfalls`);
 3. the invalid candidates counted by reason (a candidate with several reasons is counted under each), listed
    with ``show_invalid``;
 4. one line of counts.
@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from optimizer.ledger.core import Ledger, Verdict
 from optimizer.ledger.items import Location, Phase
-from optimizer.ledger.report import Limit, Shortfall, counts, shortfalls
 from optimizer.perf.throughput import StepTime
+from optimizer.results.report import Limit, Shortfall, counts, shortfalls
 from optimizer.study.knobs import Precision
 from optimizer.study.units import format_size
 

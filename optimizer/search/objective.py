@@ -37,7 +37,7 @@ import optuna
 
 from optimizer.ledger.core import evaluate
 from optimizer.ledger.items import Location
-from optimizer.ledger.report import ledger_json
+from optimizer.results.report import ledger_json
 from optimizer.results.trial_result import Outcome, TrialResult
 from optimizer.search.coordination import (
     LAUNCHES_ATTR,

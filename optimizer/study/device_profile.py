@@ -1,6 +1,6 @@
 """One device type's figures for the throughput model and the study's checks (a typed value, pure).
 
-The built-in profiles, each with its datasheet, are in :mod:`optimizer.perf.hardware_profiles`; a study names one
+The built-in profiles, each with its datasheet, are in :mod:`optimizer.study.hardware_profiles`; a study names one
 or gives its own figures (``hardware.profile``, :mod:`optimizer.study.hardware_section`). The value lives here,
 with the specs, because :class:`~optimizer.study.specs.HardwareSpec` carries the resolved profile.
 

@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from optimizer.perf.hardware_profiles import profile_named
 from optimizer.study import limits
 from optimizer.study.device_profile import HardwareProfile
 from optimizer.study.fields import (
@@ -29,6 +28,7 @@ from optimizer.study.fields import (
     count_within,
     spec_error,
 )
+from optimizer.study.hardware_profiles import profile_named
 from optimizer.study.knobs import Precision
 from optimizer.study.specs import Accelerator, HardwareSpec
 from optimizer.study.units import GiB, format_bytes, parse_flop_rate, parse_rate, size_family

@@ -15,7 +15,7 @@ carries are required; the optional ones take transformers' defaults (``num_key_v
 is read through transformers' own config class (``AutoConfig.for_model``, which maps each family's names —
 ``n_layer``, ``n_embd``, ``ffn_dim`` — onto the common ones) by :func:`generic_shape`; an unknown type, or one
 with no ``AutoModelForCausalLM`` class, is one error naming the type and the transformers version. Its
-parameters are then counted from the model itself (:mod:`optimizer.ledger.inventory`), exactly; the shape's block
+parameters are then counted from the model itself (:mod:`optimizer.study.inventory`), exactly; the shape's block
 kind (gated MLP or not, the norm, learned or rotary positions) is the family's, from :data:`CLASSIC_FAMILIES`,
 and only the activation *formula* uses it — the trace (``activations: trace``) measures the real block.
 """

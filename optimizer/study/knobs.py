@@ -3,7 +3,7 @@
 Knob names are used everywhere — CLI ``--set``, search spaces, study storage:
 ``zero_stage``, ``offload_optimizer``, ``offload_param``, ``precision``, ``checkpointing``,
 ``micro_batch_size``. A :class:`Candidate` only checks that each value is well-formed;
-whether the *combination* is one DeepSpeed accepts is :mod:`optimizer.ledger.constraints`' job,
+whether the *combination* is one DeepSpeed accepts is :mod:`optimizer.study.constraints`' job,
 so an invalid combination is reported with its reason, never silently fixed.
 """
 

@@ -10,7 +10,7 @@ A space file looks like::
       micro_batch_size: [1, 2, 4, 8]
 
 A knob the space does not list stays at the study's baseline value. The candidates are the
-product of the lists; :mod:`optimizer.ledger.constraints` says which of them DeepSpeed can run.
+product of the lists; :mod:`optimizer.study.constraints` says which of them DeepSpeed can run.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from optimizer.ledger.inventory import ParameterInventory
 from optimizer.study import limits
 from optimizer.study.device_profile import HardwareProfile
+from optimizer.study.inventory import ParameterInventory
 from optimizer.study.knobs import (
     Candidate,
     Checkpointing,
@@ -157,7 +157,7 @@ class TransformerModel:
     """Filled by :func:`launchers.study_traces.with_traced_activations` when ``activations`` is ``trace`` or
     ``auto``."""
     inventory: ParameterInventory | None = None
-    """Every parameter as the model's own code builds it (:mod:`optimizer.ledger.inventory`), filled by
+    """Every parameter as the model's own code builds it (:mod:`optimizer.study.inventory`), filled by
     :func:`launchers.inventory.with_inventory` for ``hf_config`` and ``entry_point`` models; when set, the
     ledger's parameter counts come from it instead of the shape's layout."""
 
@@ -237,7 +237,7 @@ class HardwareSpec:
     supported_precisions: tuple[Precision, ...] = (Precision.FP32, Precision.BF16, Precision.FP16)
     """Precisions the device can train in (CPU ranks refuse fp16 in DeepSpeed; a profile's device may lack one)."""
     profile: HardwareProfile | None = None
-    """The device's figures for the throughput model: a built-in profile (:mod:`optimizer.perf.hardware_profiles`)
+    """The device's figures for the throughput model: a built-in profile (:mod:`optimizer.study.hardware_profiles`)
     or the study's own (``hardware.profile`` as a mapping); None: unknown until calibration."""
     inter_node_bytes_per_s: float | None = None
     """Network bandwidth per device between nodes, one direction (bytes/s); overrides the profile."""

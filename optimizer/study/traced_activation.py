@@ -40,7 +40,7 @@ class TracedActivation:
     """What the trace assumed or how it was taken (MoE experts, depths extended), stated in the ledger."""
     zero3_gathered: int = 0
     """The most parameter elements ZeRO-3 keeps gathered at once, DeepSpeed's coordinator replayed over the
-    traced module order (:mod:`optimizer.ledger.zero3_gather`); 0 when not traced."""
+    traced module order (:mod:`optimizer.deepspeed.zero3_gather`); 0 when not traced."""
 
     def __post_init__(self) -> None:
         coerce_enums(self, precision=Precision)

@@ -19,10 +19,10 @@ from launchers.study_run import default_storage, run_study
 from launchers.trial import run_trial
 from optimizer.cli import main
 from optimizer.results.pareto import feasible_front
-from optimizer.results.progress import counts
 from optimizer.results.trial_result import Outcome
 from optimizer.search.coordination import launches_used
 from optimizer.search.ordering import over_budget_trials
+from optimizer.search.progress import counts
 from optimizer.study.knobs import with_knobs
 from optimizer.study.specs import baseline_candidate
 from optimizer.study.study_file import load_study

@@ -1,5 +1,5 @@
-"""The replay of DeepSpeed's ZeRO-3 coordinator (optimizer/ledger/zero3_gather.py, over the traced module order) against
-real DeepSpeed on 2 CPU ranks: the parameters held gathered or in flight when forward ends, once the coordinator
+"""The replay of DeepSpeed's ZeRO-3 coordinator (optimizer/deepspeed/zero3_gather.py, over the traced module order)
+against real DeepSpeed on 2 CPU ranks: the parameters held gathered or in flight when forward ends, once the coordinator
 has its trace (from the second step), must equal the replay's figure exactly — for the built-in GPT and a
 transformers Qwen2 (biases on q/k/v), in fp32 and bf16."""
 
