@@ -10,9 +10,16 @@ capacity: a study plans with the smaller of it and its ``gpu_memory``
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+
+
+def cuda_rank() -> bool:
+    """Whether this rank runs on CUDA: a device is there and the launch did not set ``DS_ACCELERATOR=cpu``
+    (:func:`launchers.local.build_launch_plan` sets it both ways). The one decision every rank program makes."""
+    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
 
 
 def device_identity(*, cuda: bool) -> dict[str, Any]:

@@ -93,7 +93,9 @@ def install() -> None:
     plan = json.loads(Path(os.environ[PLAN_VAR]).read_text())
     import torch
 
-    cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+    from launchers.workloads.device_identity import cuda_rank
+
+    cuda = cuda_rank()
     state = _State(plan=plan, out_dir=Path(os.environ[OUT_VAR]), rank=int(os.environ.get("RANK", "0")), cuda=cuda,
                    started=time.perf_counter())
     from launchers.workloads.device_memory import DeviceMemory

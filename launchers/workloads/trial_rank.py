@@ -52,7 +52,7 @@ import torch.distributed as dist
 from launchers.orphan_guard import die_with_parent
 from launchers.workloads.builtin import build_workload
 from launchers.workloads.cpu_memory import LivePeaks, start_cpu_profiler, stop_cpu_profiler
-from launchers.workloads.device_identity import device_identity
+from launchers.workloads.device_identity import cuda_rank, device_identity
 from launchers.workloads.device_memory import DeviceMemory
 from optimizer.results.loss_scaling import StepKind, min_loss_scale, skip_allowance, step_kind
 from optimizer.results.trial_result import INIT_STOP, OVER_BUDGET, StopAbove
@@ -117,11 +117,6 @@ class NonFiniteLoss(RuntimeError):
     """A loss or gradient norm that is NaN or infinite."""
 
 
-def _cpu_ranks() -> bool:
-    """Whether this rank runs on the CPU, as :func:`run` decides it."""
-    return not (torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu")
-
-
 def _raised_while_pinning(error: BaseException) -> bool:
     """The innermost Python frame of ``error`` was pinning host memory (:data:`PINNING`)."""
     frames = traceback.extract_tb(error.__traceback__)
@@ -136,7 +131,7 @@ def classify(error: BaseException, *, cpu_ranks: bool | None = None) -> str:
     ``oom`` is the device's memory; a host allocation that failed is ``oom_host`` on CUDA ranks and ``oom`` on CPU
     ranks (``cpu_ranks``, default: as :func:`run` decides), whose device memory is the host's.
     """
-    cpu_ranks = _cpu_ranks() if cpu_ranks is None else cpu_ranks
+    cpu_ranks = not cuda_rank() if cpu_ranks is None else cpu_ranks
     host = "oom" if cpu_ranks else "oom_host"
     if isinstance(error, NonFiniteLoss):
         return "nan"
@@ -220,7 +215,7 @@ def _cpu_stop(stop: StopAbove, peaks: LivePeaks, *, attempted: int) -> tuple[dic
 
 
 def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
-    cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+    cuda = cuda_rank()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device_memory = DeviceMemory.open(cuda=cuda, index=local)  # before CUDA is touched: NVML's baseline
     import deepspeed
@@ -399,7 +394,7 @@ def main() -> int:
     except BaseException as error:  # every failure is data: classify, record, exit non-zero
         result = {"rank": rank, "status": classify(error), "error_type": type(error).__name__,
                   "message": str(error)[-2000:], "traceback": traceback.format_exc()[-4000:],
-                  **device_identity(cuda=not _cpu_ranks())}
+                  **device_identity(cuda=cuda_rank())}
         code = 1
     tmp = out_dir / f".rank{rank}.json.tmp"
     tmp.write_text(json.dumps(result))

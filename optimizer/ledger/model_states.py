@@ -219,9 +219,10 @@ def _stage12(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, joined:
               f"{STAGE12}:2367-2376", reduce_phase),
         _item(f"{prec} gradient partition (until step)", Category.GRADS, Location.GPU, g * sigma, f"{g}Σ",
               f"{STAGE12}:3128-3131", Phase.STEP),
+        # .to(fp32) of an fp32 partition is the same tensor (:3118): one copy in fp32 training, two in 16-bit
         _item("flat + fp32 gradient partition in step", Category.GRADS, Location.GPU,
-              max(8 * z.largest_tensor, (g + FP32) * p), f"max(8Lₜ, {g + FP32}P)", f"{STAGE12}:3117-3141",
-              Phase.STEP),
+              max(8 * z.largest_tensor, (g + (FP32 if g != FP32 else 0)) * p),
+              f"max(8Lₜ, {g + (FP32 if g != FP32 else 0)}P)", f"{STAGE12}:3117-3141", Phase.STEP),
     ]
     if not stage1 and z.largest_tensor > z.bucket:
         items.append(_item("gradient larger than the bucket, reduced in place", Category.GRADS, Location.GPU,
