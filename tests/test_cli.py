@@ -204,3 +204,14 @@ def test_the_plan_says_which_cuda_defaults_it_took(capsys, tmp_path):
     path.write_text(yaml.safe_dump(study))
     code, out, _ = run(capsys, "ledger", str(path))
     assert code == 0 and "defaults applied" not in out
+
+
+@pytest.mark.parametrize("command", ["ledger", "trial"])
+@pytest.mark.parametrize("bad", [["--set", "zero=1"], ["--set", "zero_stage=7"], ["--set", "micro_batch_size"]])
+def test_a_bad_set_writes_nothing(capsys, tmp_path, repo_root, command, bad):
+    study = tmp_path / "cpu-tiny.yaml"
+    study.write_text((repo_root / "studies" / "cpu-tiny.yaml").read_text())
+    before = sorted(tmp_path.rglob("*"))
+    code, out, err = run(capsys, command, str(study), *bad)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert sorted(tmp_path.rglob("*")) == before  # no study folder, no trial folder, no half-written file

@@ -160,7 +160,8 @@ def test_zero3_optimizer_offload_leaves_the_estimators_gpu_side():
 def test_zero3_full_offload_leaves_only_the_gather_on_gpu():
     led = ledger(ZeroStage.PARAMETERS, optimizer=OffloadDevice.CPU, param=OffloadDevice.CPU)
     assert item(led, "gathered largest module") == _zero3(cpu_offload=True, cpu_offload_params=True)  # 4·LL
-    assert item(led, "bf16 parameter partition", Location.HOST) > 0
+    # 2Q on the host, Q = Ψ/N = 328,930,816 elements (Ψ divides by N = 4: no padding), 2 bytes each
+    assert item(led, "bf16 parameter partition", Location.HOST) == 2 * 328_930_816 == 2 * PSI // N
     assert not [i for i in led.items if i.name.startswith("bf16 parameter partition") and i.location is Location.GPU
                 and i.phase is not Phase.INIT]
 
