@@ -61,7 +61,8 @@ def _usable(entry: Any) -> bool:
     if not isinstance(entry, dict) or not isinstance(entry.get("result"), dict):
         return False
     fields = _RESULT_FIELDS if entry.get("ok") is True else ("op", "message") if entry.get("ok") is False else None
-    return fields is not None and all(name in entry["result"] for name in fields)
+    return fields is not None and all(name in entry["result"] for name in fields) \
+        and not entry["result"].get("transient", False)
 
 
 def _typed(entry: dict[str, Any]) -> TraceResult | TraceFailure:
@@ -135,7 +136,9 @@ class TraceCache:
               micro_batch: int, sequence_length: int) -> dict[str, Any]:
         """The stored trace of the whole model, ``{"ok": bool, "result": TraceResult or TraceFailure as a dict}``:
         from the cache, else traced now — from two shallow copies where they extend to ``parameters``
-        (:func:`launchers.trace_depth.trace_by_depth`), else at full depth — and stored."""
+        (:func:`launchers.trace_depth.trace_by_depth`), else at full depth — and stored. A failure is stored under
+        the key of its cause (the model, torch/transformers versions, dsopt's tracing source: an upgrade or an edit
+        traces again); one of the machine (:attr:`launchers.trace.TraceFailure.transient`) is not stored."""
         kwargs = {"checkpointing": checkpointing, "precision": precision, "micro_batch": micro_batch,
                   "sequence_length": sequence_length}
         key = self.key(model_spec=model_spec, parameters=parameters, **kwargs)
@@ -150,7 +153,8 @@ class TraceCache:
             result = trace_by_depth(lambda spec: trace(model_spec=spec, **kwargs), model_spec=model_spec,
                                     checkpointing=checkpointing, parameters=parameters)
         found = {"ok": isinstance(result, TraceResult), "result": asdict(result)}
-        self.store.put(key, found)
+        if found["ok"] or not result.transient:  # a failure of the machine is not the model's: traced again
+            self.store.put(key, found)
         return found
 
     def trace_model(self, **kwargs: Any) -> TraceResult | TraceFailure:

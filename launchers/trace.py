@@ -95,6 +95,9 @@ class TraceFailure:
     """The operation (or exception type) that failed."""
     message: str
     """The first line of the error."""
+    transient: bool = False
+    """The machine failed, not the model (out of host memory, an OS error, a timeout): never cached, traced again
+    next time (:meth:`launchers.study_traces.TraceCache.entry`)."""
 
 
 def _kinds(snapshot: dict) -> dict[str, int]:
@@ -299,12 +302,15 @@ def _zero3_gathered(model: nn.Module, modules: list[nn.Module], events: list[tup
                     settings=gather_settings(int(model_spec["hidden_size"])))
 
 
+TRANSIENT_ERRORS = (MemoryError, OSError, TimeoutError)
+"""Failures of the machine rather than of the model's operations: a trace that met one is not a property of the
+model, its key's code and versions — the cause may be gone on the next run."""
+
+
 def _failure(err: Exception) -> TraceFailure:
     first = (str(err).strip().splitlines() or [""])[0]
     op = getattr(err, "func", None) or getattr(err, "op", None)
     name = str(op) if op is not None else type(err).__name__
     if op is None and "aten." in first:  # "... for aten.nonzero.default ..." in the message
         name = next((word.strip(".,:()'`") for word in first.split() if word.startswith("aten.")), name)
-    return TraceFailure(op=name, message=first[:300])
-
-
+    return TraceFailure(op=name, message=first[:300], transient=isinstance(err, TRANSIENT_ERRORS))

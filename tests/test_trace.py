@@ -220,3 +220,26 @@ def test_one_candidates_table_gives_the_ledger_the_whole_spaces_table_gives(llam
         assert verdicts[0] == verdicts[1], candidate.label()
         checked += verdicts[0].ledger is not None
     assert len(said) == 2 and checked == len(candidates) == 36
+
+
+def test_a_failure_of_the_machine_is_not_cached_and_is_traced_again(study, tmp_path, monkeypatch):
+    import launchers.trace as tracer
+
+    real = tracer.trace
+    calls = []
+
+    def flaky(**kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:  # the host ran out of memory while tracing: the machine's failure, not the model's
+            return tracer._failure(MemoryError("cannot allocate"))
+        return real(**kwargs)
+
+    monkeypatch.setattr(tracer, "trace", flaky)
+    kwargs = {"model_spec": model_dict(study.model), "checkpointing": "none", "precision": Precision.FP32,
+              "micro_batch": 2, "sequence_length": 64}
+    cache = TraceCache(tmp_path / "traces")
+    first = cached_trace(cache=cache, **kwargs)
+    assert isinstance(first, TraceFailure) and first.transient and first.op == "MemoryError"
+    assert not list((tmp_path / "traces").glob("*.json"))  # nothing stored
+    assert not isinstance(cached_trace(cache=TraceCache(tmp_path / "traces"), **kwargs), TraceFailure)
+    assert len(calls) == 2 and len(list((tmp_path / "traces").glob("*.json"))) == 1
