@@ -69,14 +69,17 @@ def _typed(entry: dict[str, Any]) -> TraceResult | TraceFailure:
     """The :class:`launchers.trace.TraceResult` (or failure) of a stored entry."""
     from launchers.trace import TraceFailure, TraceResult
 
-    result = entry["result"]
-    if not entry["ok"]:
-        return TraceFailure(**result)
-    return TraceResult(**{**result, "notes": tuple(result["notes"]),
-                          "joint_segments": tuple(tuple(p) for p in result["joint_segments"]),
-                          "working_segments": tuple(result["working_segments"]),
-                          "ungraded_segments": tuple(result["ungraded_segments"]),
-                          "graded_segments": tuple(result["graded_segments"])})
+    kind = TraceResult if entry["ok"] else TraceFailure
+    return kind(**{name: _frozen(value) for name, value in entry["result"].items()})
+
+
+def _frozen(value: Any) -> Any:
+    """A JSON value as the frozen dataclasses hold it: every list a tuple, at any depth (JSON has no tuples)."""
+    if isinstance(value, list):
+        return tuple(_frozen(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _frozen(item) for key, item in value.items()}
+    return value
 
 
 def _joint_peak(segments: Sequence[Sequence[int]]) -> tuple[int, int]:

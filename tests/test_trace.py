@@ -243,3 +243,10 @@ def test_a_failure_of_the_machine_is_not_cached_and_is_traced_again(study, tmp_p
     assert not list((tmp_path / "traces").glob("*.json"))  # nothing stored
     assert not isinstance(cached_trace(cache=TraceCache(tmp_path / "traces"), **kwargs), TraceFailure)
     assert len(calls) == 2 and len(list((tmp_path / "traces").glob("*.json"))) == 1
+
+
+def test_a_stored_trace_reads_back_equal_to_the_traced_one(study, tmp_path):
+    kwargs = {"model_spec": model_dict(study.model), "checkpointing": "full", "precision": Precision.BF16,
+              "micro_batch": 1, "sequence_length": 64}
+    traced = cached_trace(cache=TraceCache(tmp_path / "traces"), **kwargs)  # traced now, and stored
+    assert cached_trace(cache=TraceCache(tmp_path / "traces"), **kwargs) == traced  # read from the JSON file
