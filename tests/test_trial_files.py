@@ -3,10 +3,10 @@ seen, an OOM kill recorded), and the FP32 reference cache keyed on the library v
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-import torch
-from trial_fixtures import NEAR, GiB, rank_report
+from trial_fixtures import NEAR, GiB, library_versions, rank_report
 
 from optimizer.results.trial_result import Outcome
 
@@ -70,7 +70,6 @@ def test_result_json_carries_the_versions_and_the_host_memory_seen(repo_root, tm
     import json
 
     from launchers.trial import run_trial
-    from optimizer.deepspeed.versions import installed_versions
     from optimizer.study.specs import baseline_candidate
 
     study = _tiny_study(repo_root, tmp_path)
@@ -79,9 +78,8 @@ def test_result_json_carries_the_versions_and_the_host_memory_seen(repo_root, tm
     result = run_trial(study=study, candidate=baseline_candidate(study.training), trial_dir=tmp_path / "t")
     assert result.outcome is Outcome.OK
     data = json.loads((tmp_path / "t" / "result.json").read_text())
-    assert data["versions"] == installed_versions()
-    assert set(data["versions"]) == {"torch", "deepspeed", "transformers", "dsopt"}
-    assert data["versions"]["torch"] == torch.__version__
+    # the four libraries, each as it reports its own version (not through dsopt's metadata lookup)
+    assert data["versions"] == library_versions(repo_root)
     assert data["host_memory"]["samples"] >= 1  # the real watch ran around the (fake) launch
 
 
@@ -103,15 +101,17 @@ def test_a_reference_cached_under_other_versions_is_run_again(repo_root, tmp_pat
     import json
 
     import launchers.trial as trial
-    from optimizer.deepspeed.versions import installed_versions
     from optimizer.results.trial_result import TrialResult
 
     study = _tiny_study(repo_root, tmp_path)
-    current = installed_versions()
+    current = library_versions(repo_root)  # as the libraries report themselves, not through dsopt's lookup
+    key = trial.reference_key(study)
+    assert re.fullmatch("[0-9a-f]{64}", key)  # a SHA-256 digest, hex
+    assert trial.reference_key(study, versions=current) == key  # the default is the versions installed here
     other = {**current, "deepspeed": "0.16.0"}
-    assert trial.reference_key(study, versions=current) == trial.reference_key(study)
-    assert trial.reference_key(study, versions=other) != trial.reference_key(study)
-    assert trial.reference_key(study, versions={**current, "torch": "2.5.1"}) != trial.reference_key(study)
+    changed = [trial.reference_key(study, versions={**current, name: version}) for name, version in
+               (("torch", "2.5.1"), ("deepspeed", "0.16.0"), ("transformers", None), ("dsopt", "0.0.1"))]
+    assert len({key, *changed}) == 5  # each version, changed alone, gives a key of its own
     runs = []
 
     def run_trial(**kwargs):  # the reference launch, without ranks
@@ -123,8 +123,13 @@ def test_a_reference_cached_under_other_versions_is_run_again(repo_root, tmp_pat
     cache.parent.mkdir(parents=True)
     cache.write_text(json.dumps({"key": trial.reference_key(study, versions=other), "versions": other,
                                  "losses": [9.0, 9.0]}))
+    stale = json.loads(cache.read_text())["key"]
     assert trial.reference_losses(study) == [2.0, 1.5]  # not the stale 9.0s
     assert len(runs) == 1
     stored = json.loads(cache.read_text())
-    assert stored["key"] == trial.reference_key(study) and stored["versions"] == current
+    # cpu-tiny's baseline: FP32 at stage 0 fits its 2 GiB ranks, so it is the reference (launchers/trial.py)
+    assert stored == {"key": key, "versions": current, "losses": [2.0, 1.5],
+                      "candidate": {"zero_stage": 0, "offload_optimizer": "none", "offload_param": "none",
+                                    "precision": "fp32", "checkpointing": "none", "micro_batch_size": 2}}
+    assert stored["key"] != stale
     assert trial.reference_losses(study) == [2.0, 1.5] and len(runs) == 1  # now served from the cache
