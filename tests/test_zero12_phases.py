@@ -65,10 +65,15 @@ def test_zero2_with_one_micro_batch_a_step_peaks_before_the_first_gradient(study
     assert ledger.peak_phase is Phase.FORWARD and ledger.training_bytes_at(Location.GPU) == ALWAYS + 2_000_000
 
 
-def test_zero2_with_accumulation_keeps_one_partition_from_the_earlier_micro_batches(study):
+def test_zero2_with_accumulation_keeps_the_earlier_micro_batches_partition_beside_the_new_one(study):
+    # Each epilogue drops grads_in_partition but all_grad_tensors keeps views of it (stage_1_and_2.py:1038-1045,
+    # 2703-2710); the next micro-batch's first reduction allocates a fresh one (:2184-2203): two partitions in
+    # its backward. Profiled (benchmarks/peak_attribution.py, grid-llama-cpu z2 fp32 ckpt=full mbs=1): two
+    # copy_grads_in_partition buffers live at the measured peak; with one booked, ZeRO-2 with accumulation read
+    # 4-11 % under the recorded grids (docs/ledger.md).
     ledger = _ledger(study, zero_stage=2, micro_batch_size=2)  # two micro-batches a step
     assert _device(ledger, Phase.FORWARD) == ALWAYS + 1_100_000 + SIGMA
-    assert _device(ledger, Phase.BACKWARD) == ALWAYS + 700_000 + BUCKET + SIGMA + BUCKET + LARGE  # one copy
+    assert _device(ledger, Phase.BACKWARD) == ALWAYS + 700_000 + BUCKET + SIGMA + SIGMA + BUCKET + LARGE
 
 
 def test_the_all_gather_after_the_step_is_counted_on_cpu_ranks_only(study):

@@ -208,10 +208,14 @@ def _stage12(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, joined:
             items.append(_item("accumulated gradients on host (GAS > 1, pinned)", Category.GRADS, Location.HOST,
                                g * sigma, f"{g}Σ", f"{STAGE12}:1820-1826, 1853 (every tensor the rank owns, in full)"))
         return items
-    if not stage1 and split and z.gas > 1:
-        # The partition the earlier micro-batches filled is live when the next one's forward starts.
-        items.append(_item(f"{prec} gradient partition of the earlier micro-batches (GAS > 1)", Category.GRADS,
-                           Location.GPU, g * sigma, f"{g}Σ", f"{STAGE12}:2184-2203", Phase.FORWARD))
+    if not stage1 and z.gas > 1:
+        # The partition the earlier micro-batches filled stays live through the next one's backward: each epilogue
+        # drops grads_in_partition (:924-930, 1061) but keeps its views in all_grad_tensors (:1038-1045, 2703-2710),
+        # and the next reduction allocates a fresh one (:2184-2203) — two live at ZeRO-2's backward peak
+        # (benchmarks/peak_attribution.py, grid-llama-cpu z2 fp32 ckpt=full mbs=1: 2× copy_grads_in_partition).
+        for phase in (Phase.FORWARD, Phase.BACKWARD) if split else (Phase.BACKWARD,):
+            items.append(_item(f"{prec} gradient partition of the earlier micro-batches (GAS > 1)", Category.GRADS,
+                               Location.GPU, g * sigma, f"{g}Σ", f"{STAGE12}:1038-1045, 2184-2203", phase))
     items += [
         _item(f"{prec} gradient partition (grads_in_partition, allocated at the first reduction)",
               Category.GRADS, Location.GPU, g * sigma, f"{g}Σ", f"{STAGE12}:2184-2203", reduce_phase),
