@@ -16,6 +16,7 @@ from optuna.artifacts import FileSystemArtifactStore, download_artifact, get_all
 from launchers.artifacts import LOG_TAIL_CHARS, default_store_dir
 
 
+@pytest.mark.slow  # seconds each: a real model trace / a whole study
 def test_every_launched_trial_has_its_config_result_and_log_tail_in_the_store(tiny, tmp_path):
     study = studied(tiny)
     storage = optuna.storages.get_storage(f"sqlite:///{tiny.output_dir / 'study.db'}")

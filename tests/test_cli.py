@@ -66,6 +66,7 @@ def test_all_lists_every_candidate_with_counts(capsys, seed_study_path):
     assert "28 valid (27 fit, 1 do not fit), 4 invalid, 32 in all" in out
 
 
+@pytest.mark.slow  # seconds each: a real model trace / a whole study
 def test_transformer_study_all(capsys, repo_root):
     code, out, _ = run(capsys, "ledger", str(repo_root / "studies" / "gpt2-tiny-cpu.yaml"), "--all")
     assert code == 0 and "in all" in out

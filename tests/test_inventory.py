@@ -158,6 +158,7 @@ def _inventory_entries(folder: Path) -> list[Path]:
     return sorted((folder / "inventory").glob("*.json"))
 
 
+@pytest.mark.slow  # seconds each: a real model trace / a whole study
 def test_an_entry_points_own_modules_are_counted(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path / "cache"))
     study = load_study(_entry_point_study(tmp_path, entry_point="extra_workload:workload"))
@@ -248,6 +249,7 @@ def test_a_transformers_config_the_library_cannot_build_is_one_line_exit_2(tmp_p
     assert not _inventory_entries(tmp_path / "cache")
 
 
+@pytest.mark.slow  # seconds each: a real model trace / a whole study
 def test_an_entry_points_own_tie_is_counted_once_and_its_prints_stay_off_stdout(tmp_path, capsys):
     study = load_study(_entry_point_study(tmp_path, entry_point="tied_workload:tied", module="tied_workload"))
     counted = with_inventory(study)

@@ -102,6 +102,7 @@ def test_the_high_water_mark_is_in_backward_and_orders_the_granularities(study):
     assert peaks["full"] < peaks["selective"] < peaks["none"]
 
 
+@pytest.mark.slow  # seconds each: a real model trace / a whole study
 def test_every_micro_batch_of_the_space_is_traced(study, tmp_path):
     cache = TraceCache(tmp_path / "traces")
     entry = traced_activation(cache=cache, model_spec=model_dict(study.model), checkpointing="full",
@@ -138,6 +139,7 @@ def test_an_untraceable_model_falls_back_with_the_op_named(study, tmp_path, monk
     assert isinstance(cached_trace(cache=TraceCache(tmp_path / "traces"), **kwargs), TraceFailure)  # from the file
 
 
+@pytest.mark.slow  # seconds each: a real model trace / a whole study
 def test_a_failed_trace_warns_and_the_ledger_says_formula(study, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
     monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path / "cache"))  # cold: every combination is counted
@@ -153,6 +155,7 @@ def test_a_failed_trace_warns_and_the_ledger_says_formula(study, tmp_path, monke
     assert ledger_json(ledger)["activation_source"].startswith("formula (trace failed at aten.nonzero")
 
 
+@pytest.mark.slow  # seconds each: a real model trace / a whole study
 def test_the_ledger_takes_traced_activations_and_names_the_source(llama, tmp_path):
     traced = with_traced_activations(dataclasses.replace(llama, path=tmp_path / "llama-tiny-cpu.yaml"))
     formula_model = replace(llama.model, activations=ActivationSource.FORMULA)
@@ -184,6 +187,7 @@ def test_dsopt_trace_prints_trace_beside_formula(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "cpu-tiny").exists()  # nothing beside the study
 
 
+@pytest.mark.slow  # seconds each: a real model trace / a whole study
 def test_dsopt_ledger_traces_when_the_study_asks(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path / "cache"))
     for name in ("llama-tiny-cpu.yaml", "llama-tiny-cpu.config.json"):
@@ -195,6 +199,7 @@ def test_dsopt_ledger_traces_when_the_study_asks(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "llama-tiny-cpu").exists()
 
 
+@pytest.mark.slow  # seconds each: a real model trace / a whole study
 def test_one_candidates_table_gives_the_ledger_the_whole_spaces_table_gives(llama, tmp_path, monkeypatch):
     # `dsopt ledger --set ...` traces only the candidate's (checkpointing, precision, micro-batch); its table then
     # holds one point where the whole space's holds every micro-batch: the ledger must not see the difference

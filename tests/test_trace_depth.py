@@ -55,6 +55,7 @@ def test_shallow_depths_keep_the_remainder_and_step_one_period():
     assert shallow_depths(3, "none") is None and shallow_depths(7, "every_3") is None
 
 
+@pytest.mark.slow  # seconds each: a real model trace / a whole study
 @pytest.mark.parametrize("checkpointing", ["none", "full", "every_2"])
 @pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
 def test_the_extended_trace_equals_the_full_depth_trace(gpt, checkpointing, precision):
@@ -75,6 +76,7 @@ def test_the_extended_trace_equals_the_full_depth_trace(gpt, checkpointing, prec
             assert max(getattr(extended, name)) == max(getattr(full, name)), name
 
 
+@pytest.mark.slow  # seconds each: a real model trace / a whole study
 def test_a_depth_dependent_structure_is_traced_at_full_depth():
     # qwen2_moe with decoder_sparse_step 2: MoE on every second layer, so three layers do not extend like two
     config = {**FAMILIES["qwen2"]["config"], "model_type": "qwen2_moe", "num_hidden_layers": 5,
@@ -150,6 +152,7 @@ def _backward_activations_and_gradients(ledger: Ledger) -> int:
                and i.category in (Category.ACTIVATIONS, Category.GRADS) and i.phase in (Phase.ALWAYS, Phase.BACKWARD))
 
 
+@pytest.mark.slow  # seconds each: a real model trace / a whole study
 def test_zero0_counts_the_gradients_made_by_the_joint_moment(tmp_path):
     study = load_study(ROOT / "studies" / "llama-tiny-cpu.yaml")
     study = dataclasses.replace(study, path=tmp_path / "llama-tiny-cpu.yaml",
