@@ -96,9 +96,9 @@ def assess(verdict: Verdict, *, models: StudyModels) -> Assessment:
                           reason="measured to fit")
     calibrated = f" (calibrated: x{factor:.3f})" if factor != 1.0 else ""
     if ledger.fits_host is False or ledger.fits_nvme is False or ledger.init_needed_bytes > budget:
-        reasons = "; ".join(ledger.verdict_reasons()) or "the init phase exceeds the device"
+        # the init phase is in the device peak (Ledger.peak_phase_at): one over the device is a GPU reason too
         return Assessment(standing=Standing.PRUNED, fit_probability=0.0, need_bytes=need, margin_bytes=0,
-                          reason="does not fit: " + reasons)
+                          reason="does not fit: " + "; ".join(ledger.verdict_reasons()))
     margin = models.margin_bytes(verdict)
     p_training = fit_probability(need_bytes=exact_need, margin_bytes=margin, budget_bytes=budget)
     p_init = fit_probability(need_bytes=ledger.init_needed_bytes,
