@@ -24,12 +24,12 @@ from pathlib import Path
 
 import optuna
 
+from optimizer.search import storage as storages  # open_storage looked up at call time (tests guard it)
 from optimizer.search.coordination import WORKER_ATTR, now_utc
 from optimizer.search.storage import (
     allows_parallel_workers,
     check_readable,
     check_storage_url,
-    open_storage,
     redact,
     storage_error,
 )
@@ -116,7 +116,7 @@ def submit(*, spec: StudySpec, workers: int, storage: str | None, dry_run: bool)
     if dry_run:
         return Submission(script=script, script_path=None, job_id=None)
     url, sbatch = check_submission(storage)
-    open_storage(url, workers=spec.workers).get_all_studies()  # unreachable storage: fail here, not in N jobs
+    storages.open_storage(url, workers=spec.workers).get_all_studies()  # unreachable storage: fail here, not in N jobs
     from launchers.study_traces import with_traced_activations
 
     with_traced_activations(spec)  # once here, so the array's workers find the cache folder warm (cache_dir())
@@ -196,7 +196,7 @@ def load_for_status(spec: StudySpec, storage: str) -> optuna.Study:
     journal file, an SQLite file or Optuna's tables (:func:`optimizer.search.storage.check_readable`)."""
     check_readable(storage)  # opening with Optuna would create the file or the tables; the first worker does
     try:
-        return optuna.load_study(study_name=spec.name, storage=open_storage(storage, workers=spec.workers))
+        return optuna.load_study(study_name=spec.name, storage=storages.open_storage(storage, workers=spec.workers))
     except KeyError:
         raise UserError(source="--storage", key=redact(storage), why=f"no study named {spec.name!r} in it yet "
                         "(the first worker creates it)") from None

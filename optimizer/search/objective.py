@@ -39,6 +39,7 @@ from optimizer.ledger.core import evaluate
 from optimizer.ledger.items import Location
 from optimizer.results.report import ledger_json
 from optimizer.results.trial_result import Outcome, TrialResult
+from optimizer.search import storage as storages  # looked up at call time: a test's guard on open_storage holds
 from optimizer.search.coordination import (
     LAUNCHES_ATTR,
     REFERENCE_LAUNCHES_ATTR,
@@ -54,7 +55,6 @@ from optimizer.search.launch_policy import Standing, assess
 from optimizer.search.next_launch import options
 from optimizer.search.ordering import StudyModels, study_models
 from optimizer.search.space import Branches, distribution_params, sample_candidate
-from optimizer.search.storage import open_storage, storage_error
 from optimizer.study.cluster_settings import BudgetSettings
 from optimizer.study.knobs import Candidate
 from optimizer.study.specs import baseline_candidate
@@ -324,7 +324,7 @@ def _finished(study: optuna.Study, key: str, *, exclude: int) -> optuna.trial.Fr
 def open_study(*, spec: StudySpec, storage: str, sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
     """Create or join the study on ``storage`` (a URL, see :mod:`optimizer.search.storage`); UserError if
     unreachable."""
-    opened = open_storage(storage, workers=spec.workers)
+    opened = storages.open_storage(storage, workers=spec.workers)
     try:
         study = optuna.create_study(study_name=spec.name, storage=opened, directions=list(DIRECTIONS),
                                     load_if_exists=True, sampler=sampler)
@@ -334,6 +334,6 @@ def open_study(*, spec: StudySpec, storage: str, sampler: optuna.samplers.BaseSa
                 study.set_metric_names(list(METRIC_NAMES))
         return study
     except Exception as err:  # sqlalchemy / journal errors differ by backend
-        raise storage_error(storage, err) from None
+        raise storages.storage_error(storage, err) from None
 
 
