@@ -234,8 +234,8 @@ def _stage12(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, joined:
     return items
 
 
-def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, replayed: int = 0,
-            device_is_host: bool = False) -> list[LedgerItem]:
+def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, replayed: int,
+            device_is_host: bool) -> list[LedgerItem]:
     """ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``) with optimizer and/or parameter offload. ``replayed``: the
     parameter elements the traced replay of DeepSpeed's coordinator keeps gathered at once (0: not traced,
     the largest module twice + one prefetch bucket + the reuse window instead). ``device_is_host`` (CPU ranks):
