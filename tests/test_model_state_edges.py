@@ -62,6 +62,7 @@ def test_a_replayed_gather_replaces_the_module_prefetch_and_reuse_terms(study):
     assert items[gathered] == (40_000, "2·G, G = 20,000", "backward", "gpu", "buffers")  # 2 bytes × 20,000 elements
     assert items["full gradient of the module at hand"] == (33_280, "2·LL", "backward", "gpu", "buffers")  # 2 × 16,640
     assert not any(name.startswith(("gathered largest module", "prefetched", "parameters kept")) for name in items)
+    assert items["bf16 parameter partition"][:2] == (120_576, "2Q")  # the gather items come beside the rest
     sources = _sources(study, _traced(study, 20_000))
     assert sources[gathered] == "DeepSpeed 0.19.8 partitioned_param_coordinator.py:420-476, 634-665 " \
                                 "(optimizer/deepspeed/zero3_gather.py)"
@@ -103,3 +104,25 @@ def test_past_one_chunk_the_fp64_norm_stops_growing(study, vocab, expected):
     model = dataclasses.replace(study.model, vocab_size=vocab, hidden_size=2_000)
     items = _items(study, {"offload_optimizer": "cpu"}, hardware=_gpu(study), model=model)
     assert items[BOUNDARY] == (*expected, "backward", "gpu", "buffers")
+
+
+def test_five_ranks_pad_the_flat_buffer_to_a_multiple_of_2n(study):
+    # ZeRO-1/2's flat buffer is padded to a multiple of 2N (stage_1_and_2.py:505-509): ⌈120,576 / 10⌉ · 10 =
+    # 120,580 elements, 241,160 bytes in bf16 (the init phase's flat copy, 2Ψ₁₂)
+    training = dataclasses.replace(study.training, global_batch_size=10)  # 5 ranks × micro-batch 2
+    candidate = with_knobs(baseline_candidate(training), {"zero_stage": 1, "precision": "bf16", "micro_batch_size": 2})
+    ledger = compute_ledger(candidate=candidate, model=study.model, training=training,
+                            hardware=_gpu(study, gpus_per_node=5))
+    flat = [i.bytes for i in ledger.items if i.formula == "2Ψ₁₂"]
+    assert flat == [241_160]
+
+
+def test_one_cpu_rank_has_no_allreduce_and_so_no_late_flatten(study):
+    one = dataclasses.replace(study.hardware, gpus_per_node=1)
+    training = dataclasses.replace(study.training, global_batch_size=2)
+    candidate = with_knobs(baseline_candidate(training), {"zero_stage": 0, "precision": "bf16", "micro_batch_size": 2})
+    assert compute_ledger(candidate=candidate, model=study.model, hardware=one, training=training).risks == ()
+    two = with_knobs(baseline_candidate(study.training), {"zero_stage": 0, "precision": "bf16",
+                                                          "micro_batch_size": 2})
+    assert len(compute_ledger(candidate=two, model=study.model, hardware=study.hardware,
+                              training=study.training).risks) == 1  # two ranks: the flatten, freed late on gloo
