@@ -57,7 +57,8 @@ def trace_key(*, model_spec: Mapping[str, Any], checkpointing: str, precision: P
 
 
 def _usable(entry: Any) -> bool:
-    """A stored entry of this layout (an older or hand-edited one is traced again)."""
+    """A stored entry of this layout (an older or hand-edited one is traced again, and so is a failure of the
+    machine that a dsopt before the transient rule stored: :meth:`TraceCache.entry` no longer stores one)."""
     if not isinstance(entry, dict) or not isinstance(entry.get("result"), dict):
         return False
     fields = _RESULT_FIELDS if entry.get("ok") is True else ("op", "message") if entry.get("ok") is False else None

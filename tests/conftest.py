@@ -39,3 +39,17 @@ def dsopt_cache_dir(tmp_path_factory) -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DSOPT_CACHE_DIR", str(folder))
         yield folder
+
+
+@pytest.fixture(autouse=True, scope="session")
+def shared_extensions_dir() -> Iterator[Path]:
+    """One cache of DeepSpeed's JIT-compiled ops for every process of the session: dsopt's launches use
+    ``launchers.local.extensions_dir()`` (one per virtual environment), while a script run without dsopt (the plain
+    runs that check an export trains as measured) would build the same ops again under torch's default
+    ``~/.cache/torch_extensions`` — minutes of compiling on 2 cores that test nothing. Subprocesses inherit it."""
+    from launchers.local import extensions_dir
+
+    folder = extensions_dir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCH_EXTENSIONS_DIR", str(folder))
+        yield folder

@@ -250,6 +250,21 @@ def test_a_failure_of_the_machine_is_not_cached_and_is_traced_again(study, tmp_p
     assert len(calls) == 2 and len(list((tmp_path / "traces").glob("*.json"))) == 1
 
 
+def test_a_machine_failure_an_older_dsopt_stored_is_traced_again(study, tmp_path):
+    """Before the transient rule a failure of the machine was stored like any other; such an entry is not used."""
+    kwargs = {"model_spec": model_dict(study.model), "checkpointing": "none", "precision": Precision.FP32,
+              "micro_batch": 2, "sequence_length": 64}
+    cache = TraceCache(tmp_path / "traces")
+    stored = {"ok": False, "result": {"op": "MemoryError", "message": "cannot allocate", "transient": True}}
+    cache.store.put(cache.key(parameters=None, **kwargs), stored)
+    assert not cache.holds(parameters=None, **kwargs)
+    assert not isinstance(cached_trace(cache=TraceCache(tmp_path / "traces"), **kwargs), TraceFailure)
+    stored["result"]["transient"] = False  # the same entry, the model's own failure: used as it is
+    cache.store.put(cache.key(parameters=None, **kwargs), stored)
+    assert cache.holds(parameters=None, **kwargs)
+    assert cached_trace(cache=cache, **kwargs) == TraceFailure(op="MemoryError", message="cannot allocate")
+
+
 def test_a_stored_trace_reads_back_equal_to_the_traced_one(study, tmp_path):
     kwargs = {"model_spec": model_dict(study.model), "checkpointing": "full", "precision": Precision.BF16,
               "micro_batch": 1, "sequence_length": 64}
