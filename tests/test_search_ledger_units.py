@@ -231,7 +231,7 @@ def test_phase_totals_init_counts_the_device_items_of_init_alone():
 
 def test_a_tied_model_built_on_the_device_holds_its_own_head_until_tied():
     moments = construction_moments(construction=Construction.DEVICE, precision=Precision.BF16, g=2, psi=1000,
-                                   q=500, largest_tensor=10, largest_module=20, param_place=Location.GPU, tied=300)
+                                   q=500, largest_module=20, param_place=Location.GPU, tied=300)
     assert len(moments) == 1
     head = moments[0][1]
     # T = 300 tied elements in bf16: 2·300 = 600 bytes on the device, in the init phase

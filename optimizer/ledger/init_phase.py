@@ -70,7 +70,7 @@ def parameter_location(offload_param: OffloadDevice) -> Location:
 
 
 def construction_moments(*, construction: Construction, precision: Precision, g: int, psi: int, q: int,
-                         largest_tensor: int, largest_module: int, param_place: Location,
+                         largest_module: int, param_place: Location,
                          tied: int = 0) -> list[Moment]:
     """The moments of building the model, before DeepSpeed sees it. ``tied``: elements of the tensors a tied
     weight's other modules hold until the tie replaces them
@@ -113,7 +113,7 @@ def init_moments(*, candidate: Candidate, construction: Construction, psi: int, 
     opt_place = _place(candidate.offload_optimizer)
     param_place = parameter_location(candidate.offload_param)
     moments = construction_moments(construction=construction, precision=precision, g=g, psi=psi, q=q,
-                                   largest_tensor=largest_tensor, largest_module=largest_module,
+                                   largest_module=largest_module,
                                    param_place=param_place, tied=tied)
     if construction is Construction.FULL:  # deepspeed.initialize casts parameter by parameter, then moves them
         fp32_model = _item("model built in fp32 on the host", Category.PARAMS, Location.HOST, FP32 * psi, "4Ψ",

@@ -373,7 +373,7 @@ def construction_bytes(*, candidate: Candidate, model: TransformerModel, hardwar
     z = _sizes(model=model, candidate=candidate, hardware=hardware, training=training, settings=settings)
     moments = construction_moments(
         construction=training.construction(candidate.zero_stage), precision=candidate.precision, g=z.g, psi=z.psi,
-        q=z.q, largest_tensor=z.largest_tensor, largest_module=z.largest_module, tied=z.tied,
+        q=z.q, largest_module=z.largest_module, tied=z.tied,
         param_place=parameter_location(candidate.offload_param))
     device_is_host = hardware.accelerator is Accelerator.CPU
     return max(moment_bytes(m, device_is_host=device_is_host) for m in moments)
