@@ -116,7 +116,7 @@ def _item(name: str, category: Category, location: Location, num_bytes: int, for
                       source=source, phase=phase)
 
 
-def _stage0(z: _Sizes, precision: Precision, *, joined: bool, gloo: bool = False) -> list[LedgerItem]:
+def _stage0(z: _Sizes, precision: Precision, *, joined: bool, gloo: bool) -> list[LedgerItem]:
     """Stage 0: FusedAdam directly (fp32), or ``FP16_Optimizer`` with a flat FP32 master (bf16/fp16). With
     ``joined`` the gradients autograd makes during backward are in the traced joint line, so the full ones are
     counted after backward only (``engine.py:3495-3500`` sets every ``.grad`` to None after the step)."""
@@ -149,7 +149,7 @@ def _stage0(z: _Sizes, precision: Precision, *, joined: bool, gloo: bool = False
 
 
 def _stage12(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, joined: bool,
-             split: bool = False, gloo: bool = False) -> list[LedgerItem]:
+             split: bool, gloo: bool) -> list[LedgerItem]:
     """ZeRO-1/2 (``DeepSpeedZeroOptimizer``), optionally with the optimizer on the CPU. With ``joined`` (stage 1)
     the full gradients of backward are in the traced joint line; with ``split`` (stage 2) the activations are
     two lines, before the first gradient (phase ``forward``: no bucket or partition yet) and after. With
@@ -244,11 +244,10 @@ def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, replayed
     prec = candidate.precision
     opt = candidate.offload_optimizer
     param = candidate.offload_param
-    items: list[LedgerItem] = []
     # Parameters: the partition, the persistent small tensors, and what is gathered for compute.
     if param is OffloadDevice.NVME:
         in_cpu = min(q, DEEPSPEED_PARAM_MAX_IN_CPU)
-        items += [
+        items: list[LedgerItem] = [
             _item(f"{prec} parameter partition held in pinned RAM (max_in_cpu)", Category.PARAMS, Location.HOST,
                   g * in_cpu, f"{g}·min(Q, max_in_cpu)", f"{STAGE3}:888-911"),
             _item(f"{prec} parameter partition files", Category.PARAMS, Location.NVME, g * q, f"{g}Q",
@@ -258,8 +257,8 @@ def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, replayed
                   f"{DS} swap_tensor/partitioned_param_swapper.py:104-127"),
         ]
     else:
-        items.append(_item(f"{prec} parameter partition{' (pinned)' if param is OffloadDevice.CPU else ''}",
-                           Category.PARAMS, _place(param), g * q, f"{g}Q", f"{STAGE3}:906-907, 970-973"))
+        items = [_item(f"{prec} parameter partition{' (pinned)' if param is OffloadDevice.CPU else ''}",
+                       Category.PARAMS, _place(param), g * q, f"{g}Q", f"{STAGE3}:906-907, 970-973")]
     items.append(_item(f"persistent parameters (≤ {settings.param_persistence_threshold:,} elements each)",
                        Category.PARAMS, Location.GPU, g * z.k, f"{g}K", f"{DS} parameter_offload.py:317-330"))
     if z.n == 1 and param is OffloadDevice.NONE:
