@@ -18,9 +18,9 @@ import sqlite3
 import sys
 import warnings
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
+from storage_fixtures import NO_TABLES, FakeRDBStorage, install_fake_rdb, sqlite_with_tables
 
 from optimizer.search import storage as storage_module
 from optimizer.search.storage import (
@@ -35,8 +35,6 @@ from optimizer.search.storage import (
 from optimizer.study.cluster_settings import WorkerSettings
 from optimizer.study.errors import UserError
 
-NO_TABLES = "holds no Optuna study tables (an empty or foreign database); reading never writes them"
-
 
 def _refused(call, url: str) -> UserError:
     """The one error ``call`` raises, checked to name the ``--storage`` URL."""
@@ -44,15 +42,6 @@ def _refused(call, url: str) -> UserError:
         call()
     assert (caught.value.source, caught.value.key) == ("--storage", url)
     return caught.value
-
-
-def _database(path: Path, tables: tuple[str, ...]) -> Path:
-    """An SQLite file holding empty tables of these names (built by sqlite3, not by the code under test)."""
-    with contextlib.closing(sqlite3.connect(path)) as db:
-        for table in tables:
-            db.execute(f"CREATE TABLE {table} (id INTEGER)")
-        db.commit()
-    return path
 
 
 def _tables(path: Path) -> set[str]:
@@ -64,7 +53,7 @@ def _tables(path: Path) -> set[str]:
 
 
 def test_an_sqlite_file_with_optunas_tables_is_readable_and_left_as_it_was(tmp_path):
-    db = _database(tmp_path / "study.db", ("studies", "trials", "version_info"))
+    db = sqlite_with_tables(tmp_path / "study.db", ("studies", "trials", "version_info"))
     assert check_readable(f"sqlite:///{db}") is None
     assert _tables(db) == {"studies", "trials", "version_info"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["study.db"]  # read-only: no journal, no new file
@@ -92,7 +81,7 @@ def test_a_missing_journal_file_is_refused(tmp_path):
 
 @pytest.mark.parametrize("tables", [(), ("studies", "trials"), ("trials", "version_info", "other")])
 def test_an_sqlite_file_lacking_one_optuna_table_is_refused_and_not_written(tmp_path, tables):
-    db = _database(tmp_path / "foreign.db", tables)
+    db = sqlite_with_tables(tmp_path / "foreign.db", tables)
     url = f"sqlite:///{db}"
     assert _refused(lambda: check_readable(url), url).why == NO_TABLES
     assert _tables(db) == set(tables)
@@ -163,7 +152,7 @@ def test_a_backend_echoing_the_percent_encoded_password_is_masked():
 def test_a_study_name_absent_from_the_storage_is_named(tmp_path, monkeypatch):
     import optuna
 
-    db = _database(tmp_path / "study.db", ("studies", "trials", "version_info"))
+    db = sqlite_with_tables(tmp_path / "study.db", ("studies", "trials", "version_info"))
     opened: list[str] = []
 
     def open_in_memory(url: str, *, workers: WorkerSettings) -> optuna.storages.InMemoryStorage:
@@ -181,30 +170,10 @@ def test_a_study_name_absent_from_the_storage_is_named(tmp_path, monkeypatch):
 # --- open_storage for PostgreSQL, without a server ---------------------------------------------------------------
 
 
-class _FakeRDBStorage:
-    """Records what open_storage hands Optuna's RDBStorage; warns like a backend might."""
-
-    made: ClassVar[list[tuple[str, dict]]] = []
-
-    def __init__(self, url: str, **kwargs: object) -> None:
-        warnings.warn("a warning from the backend", UserWarning, stacklevel=1)
-        _FakeRDBStorage.made.append((url, kwargs))
-
-
 @pytest.fixture
 def fake_rdb(monkeypatch):
-    import optuna.storages
-
-    locks: list[str] = []
-
-    @contextlib.contextmanager
-    def lock(rdb_url: str):
-        locks.append(rdb_url)
-        yield
-
-    _FakeRDBStorage.made = []
-    monkeypatch.setattr(optuna.storages, "RDBStorage", _FakeRDBStorage)
-    monkeypatch.setattr(storage_module, "_schema_lock", lock)
+    locks = install_fake_rdb(monkeypatch)
+    FakeRDBStorage.warn = True
     return locks
 
 
@@ -215,8 +184,8 @@ def test_postgresql_opens_with_the_worker_settings_under_the_schema_lock(fake_rd
         opened = open_storage("postgresql://dsopt:p@ss@db.example:5432/dsopt", workers=workers)
     rdb_url = "postgresql+psycopg://dsopt:p%40ss@db.example:5432/dsopt"  # scheme made psycopg's, '@' -> '%40'
     assert fake_rdb == [rdb_url]
-    [(url, kwargs)] = _FakeRDBStorage.made
-    assert isinstance(opened, _FakeRDBStorage)
+    [(url, kwargs)] = FakeRDBStorage.made
+    assert isinstance(opened, FakeRDBStorage)
     assert url == rdb_url
     assert kwargs["heartbeat_interval"] == 7
     assert kwargs["grace_period"] == 30

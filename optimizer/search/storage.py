@@ -222,7 +222,11 @@ def redact(text: str, *, url: str | None = None) -> str:
     if url and credentials(url)[1] is not None:  # the URL as given, wherever it stands (even a password with a space)
         head, _, tail = credentials(url)
         text = text.replace(url, f"{head}:***{tail}")
-    starts = URL_TOKEN.match(text) is not None  # the text is a URL (its password may even hold a space)
+    # The text is one URL (its password may even hold a space) when it starts with one, nothing after the last
+    # ``@`` is white space and its user information holds no other URL; otherwise each URL in it is found alone.
+    whole_head, whole_password, whole_tail = credentials(text)
+    starts = (URL_TOKEN.match(text) is not None and not any(c.isspace() for c in whole_tail)
+              and "://" not in whole_head.partition("://")[2] + (whole_password or ""))
     tokens = ([url] if url else []) + ([text] if starts else []) + URL_TOKEN.findall(text)
     secrets = {p for token in tokens if (p := credentials(token)[1])}
     secrets |= {p.replace("@", "%40") for p in secrets}
