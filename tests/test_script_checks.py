@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from launchers.workloads.script_checks import batch_shape, checkpointing_mismatch, engine_mismatches, wanted
+from launchers.workloads.script_checks import (
+    batch_shape,
+    checkpointing_mismatch,
+    engine_mismatches,
+    offload_device,
+    wanted,
+)
 
 EXPECT = {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "zero_stage": 3, "precision": "bf16",
           "offload_optimizer": "cpu", "offload_param": "none", "checkpointing": "full", "checkpoint_calls": 4}
@@ -25,6 +31,23 @@ def test_every_knob_the_engine_runs_otherwise_is_named():
         "zero_stage: the candidate's is 3, the script's engine runs 2",
         "precision: the candidate's is bf16, the script's engine runs fp32"]
     assert engine_mismatches({"expect": EXPECT}, dict(EXPECT)) == []
+
+
+def test_the_offload_device_is_read_from_deepspeeds_own_parsed_zero_config():
+    # DeepSpeed 0.19.8 keeps the device as a plain string (use_enum_values): reading `.device.value` crashed every
+    # script trial whose candidate or FP32 reference offloads.
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    zero = DeepSpeedZeroConfig(stage=3, offload_optimizer={"device": "cpu"}, offload_param={"device": "nvme",
+                                                                                           "nvme_path": "/tmp"})
+    assert (offload_device(zero.offload_optimizer), offload_device(zero.offload_param)) == ("cpu", "nvme")
+    assert offload_device(DeepSpeedZeroConfig(stage=2).offload_optimizer) == "none"
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    class EnumSection:  # a release that keeps the enum member
+        device = OffloadDeviceEnum.cpu
+
+    assert offload_device(EnumSection()) == "cpu"
 
 
 def test_recomputation_is_counted_per_forward():

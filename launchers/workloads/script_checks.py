@@ -25,16 +25,27 @@ def engine_mismatches(plan: dict[str, Any], actual: dict[str, Any]) -> list[str]
                          "offload_optimizer", "offload_param") if str(actual[knob]) != str(expected[knob])]
 
 
+def offload_device(offload: Any) -> str:
+    """The device of an engine's ``offload_optimizer``/``offload_param`` section, ``none`` where there is none.
+
+    DeepSpeed 0.19.8's config models use ``use_enum_values=True`` (``runtime/config_utils.py:108``), so
+    ``device`` is the plain string (``"cpu"``), not ``OffloadDeviceEnum`` (``runtime/zero/offload_config.py:14-24``);
+    an enum member, as other releases may keep, is read by its value."""
+    if offload is None:
+        return "none"
+    device = offload.device
+    return str(getattr(device, "value", device))
+
+
 def engine_knobs(engine: Any) -> dict[str, Any]:
     """The knobs a DeepSpeed engine runs, as :func:`engine_mismatches` compares them (engine.py's accessors)."""
-    offload_optimizer, offload_param = engine.zero_offload_optimizer(), engine.zero_offload_param()
     return {
         "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
         "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
         "zero_stage": int(engine.zero_optimization_stage()),
         "precision": "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32",
-        "offload_optimizer": "none" if offload_optimizer is None else str(offload_optimizer.device.value),
-        "offload_param": "none" if offload_param is None else str(offload_param.device.value),
+        "offload_optimizer": offload_device(engine.zero_offload_optimizer()),
+        "offload_param": offload_device(engine.zero_offload_param()),
     }
 
 

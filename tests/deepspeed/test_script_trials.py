@@ -90,3 +90,16 @@ def test_a_script_that_is_not_measurable_is_one_clear_error(tmp_path, script, wh
     assert run.returncode == 1, run.stdout + run.stderr
     errors = [line for line in run.stderr.splitlines() if line.startswith("dsopt:")]
     assert len(errors) == 1 and why in errors[0], run.stderr
+
+
+def test_a_script_trial_of_an_offloaded_candidate_checks_its_engine_and_trains(tmp_path):
+    # The hook reads the engine's offload devices; DeepSpeed 0.19.8 holds them as plain strings, and reading
+    # `.device.value` crashed rank 0 of every script trial that offloads (the candidate or the FP32 reference).
+    pytest.importorskip("transformers")
+    study = _examples(tmp_path) / "plain_deepspeed" / "study.yaml"
+    run = _dsopt("trial", str(study), "--set", "zero_stage=3", "--set", "offload_optimizer=cpu", "--set",
+                 "offload_param=cpu", "--set", "precision=fp32", "--set", "checkpointing=none", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    result = json.loads(next((study.parent / "plain-deepspeed" / "trials").glob("z3_*/result.json")).read_text())
+    assert result["outcome"] == "ok", result.get("message")
+    assert "agreement with the FP32 baseline" in run.stdout and "ok)" in run.stdout, run.stdout
