@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from launchers.cache_dir import cache_dir, source_digest
 from launchers.json_cache import KeyedJsonStore
-from optimizer.deepspeed.versions import installed_versions
+from launchers.workloads.trainable import TrainableSetupError
+from optimizer.deepspeed.versions import installed_version, installed_versions
 from optimizer.study.errors import UserError, error_summary
 from optimizer.study.inventory import InventoryTensor, ParameterInventory, inventory_key
 from optimizer.study.specs import TransformerModel
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 INVENTORY_CODE = ("launchers.inventory", "launchers.workloads.builtin", "launchers.workloads.construction",
-                  "launchers.workloads.hf_model")
+                  "launchers.workloads.hf_model", "launchers.workloads.trainable")
 """dsopt's modules that build the model and read its parameters: their source is in the cache key."""
 
 
@@ -61,7 +62,8 @@ def inventory_of(model: nn.Module, *, source: str) -> ParameterInventory:
             continue
         first[key] = qualified
         tensors.append(InventoryTensor(name=qualified, module=module_name, module_type=module_type,
-                                       shape=tuple(param.shape), dtype=str(param.dtype).removeprefix("torch.")))
+                                       shape=tuple(param.shape), dtype=str(param.dtype).removeprefix("torch."),
+                                       trainable=bool(param.requires_grad)))
     tied = tuple(tuple(names) for names in groups.values() if len(names) > 1)
     return ParameterInventory(tensors=tuple(tensors), tied=tied, model_class=type(model).__name__, source=source)
 
@@ -123,19 +125,21 @@ def _build_entry_point(model_spec: dict[str, Any], *, sequence_length: int) -> t
         function = load_entry_point(name)
     except (ImportError, AttributeError, ValueError) as err:
         raise EntryPointBroken(f"cannot load {name}: {type(err).__name__}: {err}") from None
+    from launchers.workloads.trainable import apply_trainable
+
     args = (model_spec, sequence_length, 0, "none")
     with contextlib.redirect_stdout(sys.stderr):
         try:
-            with meta_parameters():
-                returned = function(*args)
+            with meta_parameters():  # the adapters too: PEFT registers them, and they go to the meta device
+                model = apply_trainable(_entry_model(function(*args), name), model_spec)
             how = f"meta-parameter build of entry point {name}"
-        except EntryPointBroken:
+        except (EntryPointBroken, TrainableSetupError):
             raise
         except Exception:
             with FakeTensorMode():
-                returned = function(*args)
+                model = apply_trainable(_entry_model(function(*args), name), model_spec)
             how = f"fake-tensor build of entry point {name}"
-    return _entry_model(returned, name), how
+    return model, how
 
 
 def take_inventory(model_spec: dict[str, Any], *, sequence_length: int) -> ParameterInventory:
@@ -145,6 +149,7 @@ def take_inventory(model_spec: dict[str, Any], *, sequence_length: int) -> Param
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from launchers.workloads.builtin import build_model
+    from launchers.workloads.trainable import apply_trainable
 
     versions = installed_versions()
     try:
@@ -152,14 +157,19 @@ def take_inventory(model_spec: dict[str, Any], *, sequence_length: int) -> Param
             model, how = _build_entry_point(model_spec, sequence_length=sequence_length)
         else:
             eager = {**model_spec, "attention": "eager"}  # the same parameters; every family has an eager kernel
-            with FakeTensorMode():
-                model = _inner(build_model(eager, checkpointing="none", dtype=torch.float32))
+            with FakeTensorMode():  # what trains, as the ranks apply it, in the same mode
+                model = apply_trainable(build_model(eager, checkpointing="none", dtype=torch.float32), model_spec)
             how = (f"fake-tensor build: transformers {versions.get('transformers')} AutoModelForCausalLM.from_config"
                    if model_spec.get("hf_config") else "fake-tensor build of dsopt's GPT")
-    except EntryPointBroken:
+    except (EntryPointBroken, TrainableSetupError):  # the study's mistake: a UserError in with_inventory
         raise
     except Exception as err:  # any failure of the build is reported and the ledger keeps the layout
         raise InventoryFailed(f"{type(err).__name__}: {error_summary(err)}") from None
+    adapted = [part for part, on in (("training.frozen", model_spec.get("frozen")),
+                                     ("peft.get_peft_model", model_spec.get("peft"))) if on]
+    how += "".join(f" + {part}" for part in adapted)
+    if not model_spec.get("entry_point"):  # dsopt's loss wrapper around a transformers model
+        model = _inner(model)
     if not any(True for _ in model.parameters()):
         raise InventoryFailed("the model has no parameters")
     return inventory_of(model, source=f"{how}; torch {versions['torch']}")
@@ -217,6 +227,8 @@ def with_inventory(study: StudySpec, *, warn: Callable[[str], None] | None = Non
     spec = model_dict(model)
     installed = installed_versions()  # importlib.metadata: a cached inventory is read without importing torch
     versions = {name: installed.get(name) for name in ("torch", "transformers")}
+    if model.peft is not None:
+        versions["peft"] = installed_version("peft")
     versions["dsopt_inventory_code"] = source_digest(INVENTORY_CODE)
     folder = study.path.parent.resolve()
     if model.entry_point:  # edited code: taken again
@@ -231,6 +243,8 @@ def with_inventory(study: StudySpec, *, warn: Callable[[str], None] | None = Non
                 inventory = take_inventory(spec, sequence_length=study.training.sequence_length)
         except EntryPointBroken as err:
             raise UserError(source=str(study.path), key="model.entry_point", why=str(err)) from None
+        except TrainableSetupError as err:  # a glob or target that matches nothing, peft missing
+            raise UserError(source=str(study.path), key=err.key, why=err.why) from None
         except InventoryFailed as err:
             if model.hf_config and not model.entry_point:  # trials build exactly this: they would fail too
                 model_type = spec["hf_config"].get("model_type")

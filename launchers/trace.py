@@ -123,7 +123,23 @@ def _tracker(blocks: nn.ModuleList | None = None, modules: list[nn.Module] | Non
     block_ids = {id(block) for block in blocks} if blocks is not None else set()
     module_index = {id(module): i for i, module in enumerate(modules or ())}
 
+    class NoHook:
+        """A frozen parameter's stand-in for the two grad-hook handles MemTracker removes on exit."""
+
+        def remove(self) -> None:
+            return None
+
     class HighWaterTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module: nn.Module,
+                                             install_grad_hooks: bool = True) -> tuple[int, int]:
+            # torch 2.13's MemTracker hooks every parameter's gradient (mem_tracker.py:597-610), and
+            # register_hook refuses a frozen one ("cannot register a hook on a tensor that doesn't require
+            # gradient"): a frozen parameter gets no gradient to track, so it is marked as hooked already.
+            for param in module.parameters():
+                if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (NoHook(), NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
         def __init__(self) -> None:
             super().__init__()
             self.working_peak = 0
@@ -244,6 +260,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from launchers.workloads.builtin import build_model, decoder_blocks, load_entry_point
+    from launchers.workloads.trainable import apply_trainable
 
     previous = torch.get_default_dtype()
     notes: list[str] = []
@@ -257,6 +274,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                                                                            checkpointing)
                 else:  # the model alone: the synthetic data's setup needs real values
                     model = build_model(model_spec, checkpointing=checkpointing)
+                model = apply_trainable(model, model_spec)  # autograd keeps what the frozen/adapted model needs
             finally:
                 torch.set_default_dtype(previous)
             tokens = torch.randint(0, int(model_spec.get("vocab_size", 2)), (micro_batch, sequence_length + 1))

@@ -68,6 +68,12 @@ def model_dict(model: TransformerModel) -> dict[str, Any]:
     out = {f.name: (str(v) if hasattr(v, "value") else v)
            for f in dataclasses.fields(model) if f.name not in NOT_THE_MODEL for v in [getattr(model, f.name)]}
     out["hf_config"] = json.loads(model.hf_config) if model.hf_config is not None else None
+    for name in ("peft", "frozen"):  # absent unless set: a full fine-tune's spec (and every cache key) as before
+        out.pop(name)
+    if model.peft is not None:
+        out["peft"] = json.loads(model.peft)
+    if model.frozen:
+        out["frozen"] = list(model.frozen)
     return out
 
 

@@ -235,11 +235,18 @@ def build_workload(*, model_spec: dict[str, Any], checkpointing: str, sequence_l
     config = ds_config or {}
     device = device or torch.device("cpu")
     hf = bool(model_spec.get("hf_config"))
+    from launchers.workloads.trainable import apply_trainable, zero_lora_b_
+
     with construction_context(construction, ds_config=config, device=device, hf=hf and not entry_point):
         if entry_point:
-            return load_entry_point(entry_point)(model_spec, sequence_length, seed, checkpointing)
-        dtype = torch.float32 if construction == "full" else training_dtype(config)
-        model = build_model(model_spec, checkpointing=checkpointing, dtype=dtype)
+            model, batch_fn = load_entry_point(entry_point)(model_spec, sequence_length, seed, checkpointing)
+        else:
+            dtype = torch.float32 if construction == "full" else training_dtype(config)
+            model = build_model(model_spec, checkpointing=checkpointing, dtype=dtype)
+    if entry_point:  # what trains, as a script adds it to the model it built (launchers/workloads/trainable.py)
+        return apply_trainable(model, model_spec), batch_fn
+    model = apply_trainable(model, model_spec)
     seeded_init_(model, seed=seed, std=init_std(model_spec))
+    zero_lora_b_(model, model_spec)
     data = SyntheticTokens(vocab_size=model_spec["vocab_size"], sequence_length=sequence_length, seed=seed)
     return model, data

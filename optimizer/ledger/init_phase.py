@@ -102,11 +102,19 @@ def _untied(element_bytes: int, tied: int, location: Location) -> list[LedgerIte
 
 def init_moments(*, candidate: Candidate, construction: Construction, psi: int, padded: int, p: int,
                  q: int, s: int, largest_tensor: int, largest_module: int, bucket: int,
-                 device_bytes: int | None, tied: int = 0) -> list[Moment]:
+                 device_bytes: int | None, tied: int = 0, trainable: int | None = None,
+                 q_trainable: int | None = None, largest_cast: int | None = None) -> list[Moment]:
     """Every moment of the init phase of ``candidate`` built by ``construction`` (bytes per rank).
 
     ``device_bytes``: the device memory DeepSpeed may use (capacity − reserve), for its "is there room to
-    flatten on the device" test at stages 1–2; None on CPU ranks, where the test reads free host RAM."""
+    flatten on the device" test at stages 1–2; None on CPU ranks, where the test reads free host RAM.
+    Where part of the model is frozen: ``trainable`` (Ψtr; ``padded``, ``p`` and ``s`` are then over the trainable
+    tensors, ``largest_tensor`` the largest trainable one), ``q_trainable`` (Qtr) and ``largest_cast`` (the largest
+    tensor of all, cast one by one); each defaults to the full fine-tune's figure."""
+    t = psi if trainable is None else trainable
+    qt = q if q_trainable is None else q_trainable
+    cast = largest_tensor if largest_cast is None else largest_cast
+    sym, qsym = ("Ψ", "Q") if t == psi else ("Ψtr", "Qtr")
     precision = candidate.precision
     g = precision.bytes_per_element
     stage = candidate.zero_stage
@@ -120,20 +128,23 @@ def init_moments(*, candidate: Candidate, construction: Construction, psi: int, 
                            "a script that builds the model whole (training.model_init: full)")
         if precision is not Precision.FP32:
             moments.append([fp32_model, _item(f"{precision} copy of one tensor while casting", Category.PARAMS,
-                                              Location.HOST, g * largest_tensor, f"{g}Lₜ",
+                                              Location.HOST, g * cast, f"{g}Lₜ",
                                               f"{DS} engine.py:1859-1862 (param by param)")])
         moments.append([_item(f"whole {precision} model moved to the device", Category.PARAMS, Location.GPU,
                               g * psi, f"{g}Ψ", f"{DS} engine.py:2092-2094")])
     if stage is ZeroStage.DISABLED:
         if precision is not Precision.FP32:
+            frozen = [_item(f"frozen {precision} parameters", Category.PARAMS, Location.GPU, g * (psi - t),
+                            f"{g}(Ψ − Ψtr)", f"{DS} engine.py:1851-1862 (the whole module cast)")] if t < psi else []
             moments.append([
-                _item(f"{precision} parameters (flat)", Category.PARAMS, Location.GPU, g * psi, f"{g}Ψ",
+                _item(f"{precision} parameters (flat)", Category.PARAMS, Location.GPU, g * t, f"{g}{sym}",
                       f"{DS} runtime/fp16/fused_optimizer.py:93-98"),
-                _item("fp32 master weights (flat)", Category.MASTER_WEIGHTS, Location.GPU, FP32 * psi, "4Ψ",
+                *frozen,
+                _item("fp32 master weights (flat)", Category.MASTER_WEIGHTS, Location.GPU, FP32 * t, f"4{sym}",
                       f"{DS} runtime/fp16/fused_optimizer.py:100"),
-                _item("zero fp32 gradients for the initial step", Category.GRADS, Location.GPU, FP32 * psi, "4Ψ",
+                _item("zero fp32 gradients for the initial step", Category.GRADS, Location.GPU, FP32 * t, f"4{sym}",
                       f"{DS} runtime/fp16/fused_optimizer.py:125-130"),
-                _item("Adam exp_avg + exp_avg_sq (fp32)", Category.OPTIMIZER, Location.GPU, 8 * psi, "8Ψ",
+                _item("Adam exp_avg + exp_avg_sq (fp32)", Category.OPTIMIZER, Location.GPU, 8 * t, f"8{sym}",
                       f"{DS} runtime/fp16/fused_optimizer.py:130 (optimizer.step())"),
             ])
         return moments
@@ -141,15 +152,19 @@ def init_moments(*, candidate: Candidate, construction: Construction, psi: int, 
         src = f"{DS} runtime/zero/stage_1_and_2.py"
         room = device_bytes is None or device_bytes - g * psi >= g * padded  # :441-451, available_memory()
         where = Location.GPU if room else Location.HOST
+        frozen = [_item(f"frozen {precision} parameters (whole on every rank)", Category.PARAMS, Location.GPU,
+                        g * (psi - t), f"{g}(Ψ − Ψtr)", f"{src}:428-434; {DS} engine.py:2093")] if t < psi else []
         moments.append([
             _item(f"{precision} parameters as built{'' if room else ', moved to the host'}", Category.PARAMS,
-                  where, g * psi, f"{g}Ψ", f"{src}:438-460"),
+                  where, g * t, f"{g}{sym}", f"{src}:438-460"),
+            *frozen,
             _item(f"{precision} flat copy (padded to 2N){'' if room else ', made on the host'}", Category.PARAMS,
                   where, g * padded, f"{g}Ψ₁₂", f"{src}:503-521"),
         ])
         setup = [
             _item(f"{precision} parameters (flat, full)", Category.PARAMS, Location.GPU, g * padded, f"{g}Ψ₁₂",
                   f"{src}:505-509"),
+            *frozen,
             _item("fp32 master partition", Category.MASTER_WEIGHTS, opt_place, FP32 * p, "4P", f"{src}:560"),
             _item("zero fp32 gradient partition", Category.GRADS, opt_place, FP32 * p, "4P", f"{src}:934-941"),
         ]
@@ -167,12 +182,12 @@ def init_moments(*, candidate: Candidate, construction: Construction, psi: int, 
         moments.append([
             _item(f"whole {precision} model on the device while it is partitioned", Category.PARAMS, Location.GPU,
                   g * psi, f"{g}Ψ", f"{DS} partition_parameters.py:1193-1207 (Init(module=model))"),
-            _item(f"{precision} partition of one tensor", Category.PARAMS, param_place, g * largest_tensor,
+            _item(f"{precision} partition of one tensor", Category.PARAMS, param_place, g * cast,
                   f"{g}Lₜ", f"{DS} partition_parameters.py:1836"),
         ])
     nvme_optimizer = candidate.offload_optimizer is OffloadDevice.NVME
-    master = _item("fp32 master partition", Category.MASTER_WEIGHTS, opt_place, FP32 * (s if nvme_optimizer else q),
-                   "4S" if nvme_optimizer else "4Q", f"{src}:1157-1172")
+    master = _item("fp32 master partition", Category.MASTER_WEIGHTS, opt_place, FP32 * (s if nvme_optimizer else qt),
+                   "4S" if nvme_optimizer else f"4{qsym}", f"{src}:1157-1172")
     bucket_item = _item(f"gradient bucket (reduce_bucket_size = {bucket:,})", Category.BUFFERS, Location.GPU,
                         g * bucket, f"{g}·B", f"{src}:779-784")
     if candidate.offload_param is OffloadDevice.NONE:  # defragment() goes through a host buffer
@@ -212,7 +227,7 @@ def init_moments(*, candidate: Candidate, construction: Construction, psi: int, 
                         "4S", f"{src}:333, 1301-1306")
     setup = [*settled, master, bucket_item, setup_grads]
     if candidate.offload_optimizer is OffloadDevice.CPU:
-        setup.append(_item("fp32 gradient partition (pinned)", Category.GRADS, Location.HOST, FP32 * q, "4Q",
+        setup.append(_item("fp32 gradient partition (pinned)", Category.GRADS, Location.HOST, FP32 * qt, f"4{qsym}",
                            f"{src}:1337-1342"))
         if device_bytes is not None:  # a real pin_memory copies the sub-group's zeros to page-locked memory
             setup.append(_item("one sub-group's zero gradient while it is pinned", Category.BUFFERS, Location.HOST,

@@ -35,12 +35,14 @@ LOGIT_BYTES = 4
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParameterTensor:
-    """One trainable tensor of the model."""
+    """One parameter tensor of the model."""
 
     module: str
     """The module that owns it (ZeRO-3 gathers a module's own parameters together)."""
     numel: int
     """Elements."""
+    trainable: bool = True
+    """It trains: DeepSpeed makes its gradient, master copy and optimizer states (the inventory's flag)."""
 
 
 @lru_cache(maxsize=64)
@@ -55,8 +57,23 @@ def parameter_tensors(model: TransformerModel) -> tuple[ParameterTensor, ...]:
     an untied LM head adds V·h.
     """
     if model.inventory is not None:  # the model as its code builds it (optimizer/study/inventory.py)
-        return tuple(ParameterTensor(module=t.module, numel=t.numel) for t in model.inventory.tensors)
+        return tuple(ParameterTensor(module=t.module, numel=t.numel, trainable=t.trainable)
+                     for t in model.inventory.tensors)
     return layout_tensors(model)
+
+
+@lru_cache(maxsize=64)
+def trainable_tensors(model: TransformerModel) -> tuple[ParameterTensor, ...]:
+    """The tensors that train, in the model's order: what DeepSpeed's optimizer sees. ZeRO-1/2 flattens only
+    these (``stage_1_and_2.py:428-434``, ``runtime/utils.py:815-825`` ``is_optimized_parameter``), ZeRO-3 keeps
+    master weights, gradients and states for these alone (``stage3.py:726-745``)."""
+    return tuple(t for t in parameter_tensors(model) if t.trainable)
+
+
+@lru_cache(maxsize=64)
+def trainable_count(model: TransformerModel) -> int:
+    """Ψₜ: elements of the tensors that train (Ψ for a full fine-tune)."""
+    return sum(t.numel for t in trainable_tensors(model))
 
 
 def layout_tensors(model: TransformerModel) -> tuple[ParameterTensor, ...]:
@@ -92,9 +109,12 @@ def layout_tensors(model: TransformerModel) -> tuple[ParameterTensor, ...]:
 
 
 @lru_cache(maxsize=64)
-def zero3_partition_elements(model: TransformerModel, *, ranks: int) -> int:
-    """Q = Σₚ ⌈nₚ/N⌉: ZeRO-3 pads every tensor to a multiple of N (``partition_parameters.py:1690-1696``)."""
-    return sum(-(-t.numel // ranks) for t in parameter_tensors(model))
+def zero3_partition_elements(model: TransformerModel, *, ranks: int, trainable_only: bool = False) -> int:
+    """Q = Σₚ ⌈nₚ/N⌉: ZeRO-3 pads every tensor to a multiple of N (``partition_parameters.py:1690-1696``) and
+    partitions frozen ones too; ``trainable_only``: Qₜ, over the tensors that train (the gradient, master and
+    optimizer partitions)."""
+    tensors = trainable_tensors(model) if trainable_only else parameter_tensors(model)
+    return sum(-(-t.numel // ranks) for t in tensors)
 
 
 @lru_cache(maxsize=64)
@@ -104,16 +124,18 @@ def parameter_count(model: TransformerModel) -> int:
 
 
 @lru_cache(maxsize=64)
-def largest_layer_parameters(model: TransformerModel) -> int:
-    """Parameters of the largest single module — what ZeRO-3 gathers at once.
+def largest_layer_parameters(model: TransformerModel, *, trainable_only: bool = False) -> int:
+    """Parameters of the largest single module — what ZeRO-3 gathers at once (frozen ones too: a frozen
+    Linear's weight is needed for its input's gradient).
 
     DeepSpeed's estimator takes the max over modules of their own (non-recursive) parameters
-    (``stage3.py: estimate_zero3_model_states_mem_needs_all_live``); so does this.
+    (``stage3.py: estimate_zero3_model_states_mem_needs_all_live``); so does this. ``trainable_only``: the most
+    trainable elements one module owns — the full gradient of the module at hand before its reduce-scatter.
     """
     per_module: dict[str, int] = {}
-    for tensor in parameter_tensors(model):
+    for tensor in trainable_tensors(model) if trainable_only else parameter_tensors(model):
         per_module[tensor.module] = per_module.get(tensor.module, 0) + tensor.numel
-    return max(per_module.values())
+    return max(per_module.values(), default=0)
 
 
 @lru_cache(maxsize=64)
@@ -131,9 +153,11 @@ def tied_copy_elements(model: TransformerModel) -> int:
 
 
 @lru_cache(maxsize=64)
-def largest_tensor_parameters(model: TransformerModel) -> int:
-    """Elements of the largest single parameter tensor (ZeRO-1/2 buffers are sized by it)."""
-    return max(t.numel for t in parameter_tensors(model))
+def largest_tensor_parameters(model: TransformerModel, *, trainable_only: bool = False) -> int:
+    """Elements of the largest single parameter tensor; ``trainable_only``: of the largest that trains (the
+    gradient buffers ZeRO-1/2 and the offload boundary size by it)."""
+    return max((t.numel for t in (trainable_tensors(model) if trainable_only else parameter_tensors(model))),
+               default=0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -148,7 +172,7 @@ class FlatPartition:
 
 @lru_cache(maxsize=64)
 def zero12_partition(model: TransformerModel, *, ranks: int) -> FlatPartition:
-    """Σ and the largest piece of ZeRO-1/2's partition, over the tensors of :func:`parameter_tensors` in order.
+    """Σ and the largest piece of ZeRO-1/2's partition, over the tensors of :func:`trainable_tensors` in order.
 
     DeepSpeed 0.19.8 flattens the group's tensors in ``model.parameters()`` order (``stage_1_and_2.py:429-433``;
     ``round_robin_gradients`` and ``parameter_alignment`` are off by default, ``config.py:309, 317``, and dsopt
@@ -159,7 +183,7 @@ def zero12_partition(model: TransformerModel, *, ranks: int) -> FlatPartition:
     ``:1824``), offload's gradient norm works on each one's part in range (``get_grad_position``, ``:1740-1762``).
     The ledger is per rank: the worst rank's Σ.
     """
-    sizes = [t.numel for t in parameter_tensors(model)]
+    sizes = [t.numel for t in trainable_tensors(model)]  # the flat group holds the trainable tensors only
     padded = -(-sum(sizes) // (2 * ranks)) * (2 * ranks)
     p = padded // ranks
     held = [0] * (ranks + 1)  # a difference array over the ranks

@@ -10,8 +10,11 @@ ZeRO-3's padded partition, the largest gathered module, the largest tensor and t
 from the inventory (:func:`optimizer.ledger.transformer.parameter_tensors`); the hand layout stays for studies given
 by their shape alone, where it equals the inventory of dsopt's own GPT exactly (tested).
 
-Every parameter counts as trained: ZeRO partitions frozen ones too, and the optimizer states of a frozen
-parameter (which DeepSpeed would not create) are the one thing this over-counts.
+Each tensor says whether it trains (``requires_grad`` after the study's ``training.frozen`` and ``model.peft`` are
+applied, :mod:`launchers.workloads.trainable`): DeepSpeed builds gradients, master weights and optimizer states for
+the trainable ones only (``runtime/utils.py:815-825`` ``is_optimized_parameter``; ``stage_1_and_2.py:428-434``;
+``stage3.py:726-745``), while it holds, casts and (at ZeRO-3) partitions every one (docs/ledger.md, "Trainable and
+frozen").
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-INVENTORY_FORMAT = 1
+INVENTORY_FORMAT = 2
 """Bumped when the recorded fields change (the cache key carries it)."""
 
 
@@ -42,6 +45,8 @@ class InventoryTensor:
     """Its shape."""
     dtype: str
     """Its dtype as built (``float32`` on the meta device unless the code asks for another)."""
+    trainable: bool = True
+    """It trains (``requires_grad``): gradients, master weights and optimizer states exist for it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
@@ -89,6 +94,16 @@ class ParameterInventory:
         """Ψ: elements over the distinct tensors (tied weights once)."""
         return sum(t.numel for t in self.tensors)
 
+    @property
+    def trainable_parameters(self) -> int:
+        """Ψₜ: elements of the tensors that train (PEFT's ``get_nb_trainable_parameters()[0]``)."""
+        return sum(t.numel for t in self.tensors if t.trainable)
+
+    @property
+    def frozen_parameters(self) -> int:
+        """Ψ − Ψₜ: elements of the tensors that do not train."""
+        return self.parameters - self.trainable_parameters
+
     def by_module(self) -> dict[str, int]:
         """Elements each module owns directly."""
         out: dict[str, int] = defaultdict(int)
@@ -119,6 +134,10 @@ class ParameterInventory:
         for module_type, tensors, elements in self.by_module_type():
             lines.append(f"  {module_type:<28} {tensors:>7,} tensors {elements:>18,} ({elements / psi:6.1%})")
         lines.append(f"  largest module (ZeRO-3 gathers it whole): {name} — {largest:,} elements")
+        trainable = self.trainable_parameters
+        if trainable != psi:
+            lines.append(f"  trainable Ψₜ = {trainable:,} ({trainable / psi:.3%}) in "
+                         f"{sum(t.trainable for t in self.tensors):,} tensors; frozen {psi - trainable:,}")
         lines.extend(f"  tied: {' = '.join(group)}" for group in self.tied)
         if not self.tied:
             lines.append("  tied: none")
@@ -128,15 +147,16 @@ class ParameterInventory:
         """A JSON-ready dict (the inventory cache's entry)."""
         return {"format": INVENTORY_FORMAT, "model_class": self.model_class, "source": self.source,
                 "tied": [list(group) for group in self.tied],
-                "tensors": [[t.name, t.module, t.module_type, list(t.shape), t.dtype] for t in self.tensors]}
+                "tensors": [[t.name, t.module, t.module_type, list(t.shape), t.dtype, t.trainable]
+                            for t in self.tensors]}
 
     @staticmethod
     def from_json(data: Mapping[str, Any]) -> ParameterInventory:
         """The inventory of :meth:`to_json`'s dict (ValueError when it is not one of this format)."""
         if data.get("format") != INVENTORY_FORMAT:
             raise ValueError(f"inventory format {data.get('format')!r}, expected {INVENTORY_FORMAT}")
-        tensors = tuple(InventoryTensor(name=n, module=m, module_type=t, shape=tuple(s), dtype=d)
-                        for n, m, t, s, d in data["tensors"])
+        tensors = tuple(InventoryTensor(name=n, module=m, module_type=t, shape=tuple(s), dtype=d, trainable=bool(r))
+                        for n, m, t, s, d, r in data["tensors"])
         return ParameterInventory(tensors=tensors, tied=tuple(tuple(g) for g in data.get("tied", ())),
                                   model_class=str(data.get("model_class", "")), source=str(data.get("source", "")))
 

@@ -24,6 +24,7 @@ from optimizer.study.fields import (
 )
 from optimizer.study.hf_config import HfConfigError, canonical_json, shape_from_hf_config
 from optimizer.study.knobs import Precision, parse_checkpointing
+from optimizer.study.peft_section import parse_peft
 from optimizer.study.specs import (
     ActivationSource,
     AttentionKind,
@@ -53,8 +54,16 @@ def activation_table(value: Any) -> dict[str, int]:
     return table
 
 
-def parse_model(section: Section, *, sequence_length: int, study_dir: Path) -> ModelSpec:
+def parse_model(section: Section, *, sequence_length: int, study_dir: Path,
+                frozen: tuple[str, ...] = ()) -> ModelSpec:
+    """The ``model`` section; ``frozen`` is ``training.frozen`` (what of this model does not train)."""
     kind = section.get("kind", as_enum_str(("seed", "transformer")))
+    peft = section.get("peft", lambda v: parse_peft(v, source=section.source, key=section.full_key("peft"),
+                                                     study_dir=study_dir), None)
+    if kind == "seed" and (peft is not None or frozen):
+        key = section.full_key("peft") if peft is not None else "training.frozen"
+        raise UserError(source=section.source, key=key, why="a seed-mode model states its parameters as one "
+                        "number: what trains needs a transformer model (hf_config, shape keys or an entry point)")
     try:
         if kind == "seed":
             model: ModelSpec = SeedModel(
@@ -68,6 +77,7 @@ def parse_model(section: Section, *, sequence_length: int, study_dir: Path) -> M
                 **hf_shape(section, study_dir=study_dir),
                 attention=section.get("attention", as_enum(AttentionKind), AttentionKind.EAGER),
                 activations=section.get("activations", as_enum(ActivationSource), ActivationSource.AUTO),
+                peft=peft, frozen=frozen,
             )
         else:
             heads = section.get("heads", count_within(limits.MAX_WIDTH, "attention head count"))
@@ -89,6 +99,7 @@ def parse_model(section: Section, *, sequence_length: int, study_dir: Path) -> M
                 max_positions=section.get("max_positions", POSITIONS, sequence_length),
                 entry_point=section.get("entry_point", as_entry_point, None),
                 activations=section.get("activations", as_enum(ActivationSource), ActivationSource.AUTO),
+                peft=peft, frozen=frozen,
             )
     except ValueError as err:
         raise spec_error(section, err) from None

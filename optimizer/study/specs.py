@@ -151,6 +151,13 @@ class TransformerModel:
     hf_config: str | None = None
     """A Hugging Face ``transformers`` config as canonical JSON (:mod:`optimizer.study.hf_config`): trials and traces
     build that class; the shape above was read from it."""
+    peft: str | None = None
+    """A PEFT LoRA setup as canonical JSON of ``LoraConfig`` fields (the study's ``model.peft``,
+    :mod:`optimizer.study.peft_section`): the ranks, traces and the inventory apply ``peft.get_peft_model`` with it,
+    and only the adapters (and ``modules_to_save``, and biases as ``bias`` says) train."""
+    frozen: tuple[str, ...] = ()
+    """Glob patterns of parameter names that do not train (the study's ``training.frozen``), matched against the
+    model's own names before any adapter is added (:func:`optimizer.study.peft_section.frozen_by`)."""
     activations: ActivationSource = ActivationSource.FORMULA
     """Where the ledger's activation bytes come from."""
     traced_activations: tuple[TracedActivation, ...] = ()
@@ -158,12 +165,14 @@ class TransformerModel:
     ``auto``."""
     inventory: ParameterInventory | None = None
     """Every parameter as the model's own code builds it (:mod:`optimizer.study.inventory`), filled by
-    :func:`launchers.inventory.with_inventory` for ``hf_config`` and ``entry_point`` models; when set, the
-    ledger's parameter counts come from it instead of the shape's layout."""
+    :func:`launchers.inventory.with_inventory` for ``hf_config`` and ``entry_point`` models and for any model with
+    ``peft`` or ``frozen``; when set, the ledger's parameter counts (trainable and frozen) come from it instead of
+    the shape's layout."""
 
     def __post_init__(self) -> None:
         coerce_enums(self, attention=AttentionKind, mlp=MlpKind, norm=NormKind, position_embedding=PositionKind,
                       activations=ActivationSource)
+        object.__setattr__(self, "frozen", tuple(self.frozen))
         for name in ("layers", "hidden_size", "heads", "kv_heads", "ffn_size", "vocab_size", "max_positions"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -179,9 +188,15 @@ class TransformerModel:
 
     @property
     def counted_from_code(self) -> bool:
-        """Built by code the shape does not describe (a transformers config or an entry point) and not yet
-        counted: its parameter inventory is to be taken (:func:`launchers.inventory.with_inventory`)."""
-        return self.inventory is None and bool(self.hf_config or self.entry_point)
+        """Built by code the shape does not describe (a transformers config or an entry point), or adapted (PEFT,
+        frozen parameters: which tensors train is read off the built model), and not yet counted: its parameter
+        inventory is to be taken (:func:`launchers.inventory.with_inventory`)."""
+        return self.inventory is None and bool(self.hf_config or self.entry_point or self.adapted)
+
+    @property
+    def adapted(self) -> bool:
+        """Part of the model does not train: PEFT adapters on a frozen base, or frozen parameters."""
+        return self.peft is not None or bool(self.frozen)
 
     @property
     def head_dim(self) -> int:
@@ -319,7 +334,6 @@ class TrainingSpec:
     """Adam's (decoupled for AdamW) weight decay."""
     model_init: ModelInit = ModelInit.AUTO
     """How the training script builds the model (priced in the ledger's init phase, used by every trial)."""
-
     def __post_init__(self) -> None:
         coerce_enums(self, optimizer=Optimizer, model_init=ModelInit)
         for name in ("global_batch_size", "micro_batch_size", "sequence_length"):

@@ -50,6 +50,7 @@ from optimizer.study.fields import (
 from optimizer.study.hardware_section import parse_hardware
 from optimizer.study.knobs import Precision
 from optimizer.study.model_section import parse_model
+from optimizer.study.peft_section import parse_frozen
 from optimizer.study.script_command import ScriptCommand, uncovered_knobs
 from optimizer.study.search_space import SearchSpace, parse_search_space
 from optimizer.study.specs import HardwareSpec, ModelInit, ModelSpec, Optimizer, SeedModel, TrainingSpec
@@ -89,7 +90,9 @@ class StudySpec:
         return self.path.parent / self.name
 
 
-def _parse_training(section: Section) -> TrainingSpec:
+def _parse_training(section: Section) -> tuple[TrainingSpec, tuple[str, ...]]:
+    """The training section, and ``training.frozen`` (kept on the model spec: it says what of the model trains)."""
+    frozen = section.get("frozen", parse_frozen, ())
     return built(section, lambda: TrainingSpec(
         global_batch_size=section.get("global_batch_size", count_within(limits.MAX_BATCH, "batch")),
         micro_batch_size=section.get("micro_batch_size", count_within(limits.MAX_BATCH, "batch")),
@@ -98,7 +101,7 @@ def _parse_training(section: Section) -> TrainingSpec:
         learning_rate=section.get("learning_rate", as_fraction, 1e-3),
         weight_decay=section.get("weight_decay", as_fraction, 0.0),
         model_init=section.get("model_init", as_enum(ModelInit), ModelInit.AUTO),
-    ))
+    )), frozen
 
 
 def _tolerances(value: Any) -> tuple[tuple[Precision, float], ...]:
@@ -194,11 +197,12 @@ def load_study(path: str | Path) -> StudySpec:
     top = Section(raw if raw is not None else {}, source=source, key="")
     name = top.get("name", as_study_name, study_path.stem)
     top.get("description", as_text, "")
-    training = _parse_training(Section(top.get("training", lambda v: v), source=source, key="training"))
+    training, frozen = _parse_training(Section(top.get("training", lambda v: v), source=source, key="training"))
     model = parse_model(
         Section(top.get("model", lambda v: v), source=source, key="model"),
         sequence_length=training.sequence_length,
         study_dir=study_path.parent,
+        frozen=frozen,
     )
     hardware = parse_hardware(Section(top.get("hardware", lambda v: v), source=source, key="hardware"))
     space = _parse_space_ref(top.get("search_space", lambda v: v), study_path=study_path)
