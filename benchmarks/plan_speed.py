@@ -8,11 +8,14 @@ runs write nothing into studies/:
 * (a) one candidate of the 7B study, ``--set zero_stage=3 --set precision=bf16``, cold: target ≤ 10 s;
 * (b) ``--all`` of the 70B study, cold (every (checkpointing, precision, micro-batch) of its space traced):
   target ≤ 60 s;
-* (c) the same, warm: target ≤ 2 s.
+* (c) the same, warm: target ≤ 2 s;
+* (d) the Llama-2-7B LoRA study on one 24 GiB GPU (``studies/llama-7b-lora-1x4090.yaml``), its whole plan, cold
+  (its inventory from the PEFT'd fake build and every traced combination included): target ≤ 60 s;
+* (e) one candidate of it (``--set zero_stage=0 --set precision=bf16 --set checkpointing=full``), cold: ≤ 10 s.
 
 It prints the figures beside the targets and asserts nothing timed (a shared machine's load moves them).
 
-    .venv/bin/python benchmarks/plan_speed.py [--only a,b,c]
+    .venv/bin/python benchmarks/plan_speed.py [--only a,b,c,d,e]
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGETS_S = {"a": 10.0, "b": 60.0, "c": 2.0}
+TARGETS_S = {"a": 10.0, "b": 60.0, "c": 2.0, "d": 60.0, "e": 10.0}
 
 
 def _copy_study(name: str, folder: Path) -> Path:
@@ -52,18 +55,23 @@ def _timed(args: list[str], *, cache: Path) -> tuple[float, int, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default="a,b,c", help="which figures, comma-separated (default a,b,c)")
+    parser.add_argument("--only", default="a,b,c,d,e", help="which figures, comma-separated (default a,b,c,d,e)")
     only = set(parser.parse_args().only.split(","))
     rows = []
     with tempfile.TemporaryDirectory(prefix="dsopt-plan-speed-") as tmp:
         work = Path(tmp)
         small = _copy_study("llama-7b-8xh100", work)
         large = _copy_study("llama-70b-8xh100", work)
+        lora = _copy_study("llama-7b-lora-1x4090", work)
         runs = {
             "a": ("7B, one candidate (--set zero_stage=3 --set precision=bf16), cold",
                   ["ledger", str(small), "--set", "zero_stage=3", "--set", "precision=bf16"], work / "cache-a"),
             "b": ("70B, --all, cold", ["ledger", "--all", str(large)], work / "cache-b"),
             "c": ("70B, --all, warm", ["ledger", "--all", str(large)], work / "cache-b"),
+            "d": ("7B LoRA on 1 x 24 GiB, the plan, cold", ["ledger", str(lora)], work / "cache-d"),
+            "e": ("7B LoRA, one candidate (--set zero_stage=0 --set precision=bf16 --set checkpointing=full), cold",
+                  ["ledger", str(lora), "--set", "zero_stage=0", "--set", "precision=bf16", "--set",
+                   "checkpointing=full"], work / "cache-e"),
         }
         if "c" in only and "b" not in only:  # warm needs the cache (b) fills: fill it untimed
             _timed(runs["b"][1], cache=runs["b"][2])

@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
+from launchers.inventory import adapted_inventory
 from launchers.study_traces import with_traced_activations
 from launchers.trial import check_devices, reference_losses, run_trial
 from optimizer.ledger.core import evaluate
@@ -58,7 +59,8 @@ def main() -> int:
     parser.add_argument("study", nargs="?", default=str(ROOT / "studies" / "grid-cpu.yaml"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "data" / "grid-cpu.json"))
     args = parser.parse_args()
-    study = with_traced_activations(load_study(args.study))  # a study asking for traced activations gets them
+    # a study asking for traced activations gets them; one that trains in part, its inventory
+    study = with_traced_activations(adapted_inventory(load_study(args.study)))
     check_devices(study)
     out = Path(args.out)
     data = json.loads(out.read_text()) if out.exists() else None

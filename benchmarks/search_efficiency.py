@@ -55,6 +55,7 @@ from pathlib import Path
 import numpy as np
 import optuna
 
+from launchers.inventory import adapted_inventory
 from launchers.study_run import run_study
 from launchers.study_traces import with_traced_activations
 from optimizer.ledger.core import evaluate
@@ -105,7 +106,8 @@ def load_grid(path: Path, *, budget_bytes: int | None = None) -> Grid:
     """The grid and its ground truth, at the study's per-rank budget or at ``budget_bytes`` (the measurements
     do not depend on the budget: only what counts as an OOM and which candidates fit)."""
     data = json.loads(path.read_text())
-    spec = with_traced_activations(load_study(ROOT / data["study_file"]))  # as the study itself traces it
+    # as the study itself traces it (and, where it trains in part, counts it)
+    spec = with_traced_activations(adapted_inventory(load_study(ROOT / data["study_file"])))
     if budget_bytes is not None:
         spec = replace(spec, hardware=replace(spec.hardware, gpu_memory_bytes=budget_bytes))
     entries = {e["label"]: e for e in data["candidates"]}

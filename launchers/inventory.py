@@ -256,3 +256,12 @@ def with_inventory(study: StudySpec, *, warn: Callable[[str], None] | None = Non
             return study
         cache.put(key, inventory)
     return dataclasses.replace(study, model=dataclasses.replace(model, inventory=inventory))
+
+
+def adapted_inventory(study: StudySpec) -> StudySpec:
+    """The study with its inventory taken where part of its model does not train (``model.peft``,
+    ``training.frozen``): which tensors train is read off the built model, and nothing else says it. A full
+    fine-tune comes back as it is (the benchmarks that replay recorded grids keep the figures they were recorded
+    with; the CLI takes every study's inventory, :func:`optimizer.cli.common`)."""
+    model = study.model
+    return with_inventory(study) if isinstance(model, TransformerModel) and model.adapted else study

@@ -35,7 +35,7 @@ from launchers.progress import Progress, ProgressMode
 from launchers.trial import reference_key, reference_losses, run_trial, trial_dir_for
 from optimizer.ledger.core import evaluate
 from optimizer.ledger.items import Location
-from optimizer.ledger.transformer import parameter_count
+from optimizer.ledger.transformer import parameter_count, trainable_count
 from optimizer.results.device_budget import capacity_note
 from optimizer.results.trial_result import StopAbove, TrialResult
 from optimizer.search.coordination import (
@@ -240,10 +240,18 @@ def say_script_model(spec: StudySpec, result: TrialResult, *, said: list[str], w
     if result.script_parameters is None or not isinstance(spec.model, TransformerModel):
         return
     planned = parameter_count(spec.model)
-    why = (f"the script trains {result.script_parameters:,} parameters, the study's model section plans "
-           f"{planned:,}: the ledger's figures and its pruning describe another model — make the model section the "
-           "script's (hf_config, shape keys or an entry point)")
-    if result.script_parameters != planned and why not in said:
+    trains, planned_trains = result.script_trainable_parameters, trainable_count(spec.model)
+    if result.script_parameters != planned:
+        why = (f"the script trains {result.script_parameters:,} parameters, the study's model section plans "
+               f"{planned:,}: the ledger's figures and its pruning describe another model — make the model section "
+               "the script's (hf_config, shape keys or an entry point)")
+    elif trains is not None and trains != planned_trains:
+        why = (f"{trains:,} of the script's {planned:,} parameters train, the study plans {planned_trains:,}: the "
+               "ledger's gradients and optimizer states describe another setup — say what trains with model.peft "
+               "or training.frozen (docs/study-file.md, \"What trains\")")
+    else:
+        return
+    if why not in said:
         said.append(why)
         _say(worker, f"warning: {why}")
 

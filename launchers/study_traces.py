@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from launchers.cache_dir import cache_dir, source_digest
 from launchers.json_cache import KeyedJsonStore
-from optimizer.deepspeed.versions import installed_versions
+from optimizer.deepspeed.versions import installed_version, installed_versions
 from optimizer.study.constraints import invalid_reasons
 from optimizer.study.knobs import Candidate, Precision, parse_checkpointing, with_knobs
 from optimizer.study.specs import TransformerModel, baseline_candidate
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 TRACE_CODE = ("launchers.trace", "launchers.trace_depth", "launchers.workloads.builtin",
               "launchers.workloads.construction", "launchers.workloads.hf_model", "launchers.workloads.fake_kernels",
-              "optimizer.deepspeed.zero3_gather", "optimizer.deepspeed.zero_settings")
+              "optimizer.deepspeed.zero3_gather", "optimizer.deepspeed.zero_settings", "launchers.workloads.trainable")
 """dsopt's modules that make a whole-model trace (the tracer, the depth extension, the models it builds, the
 ZeRO-3 replay): their source is in every key, so an edit of any of them traces again."""
 ENTRY_FORMAT = 1
@@ -49,7 +49,9 @@ _RESULT_FIELDS = ("parameters", "activation_peak_bytes", "peak_phase", "stored_b
 def trace_key(*, model_spec: Mapping[str, Any], checkpointing: str, precision: Precision, micro_batch: int,
               sequence_length: int, parameters: int | None, code: Mapping[str, str | int | None]) -> str:
     """The cache key of one whole-model trace: everything that determines it (module doc), as canonical JSON.
-    ``parameters``: the full model's count the shallow copies must extend to (None: traced at full depth);
+    ``parameters``: the full model's trainable count (what a trace counts: the tensors that require a gradient) the
+    shallow copies must extend to (None: traced at full depth) — a model frozen by layer, whose copies do not
+    extend to it, is traced whole;
     ``code``: :meth:`TraceCache.code` (library versions, dsopt's tracing source, the entry point's source)."""
     return json.dumps({"model": dict(model_spec), "checkpointing": checkpointing, "precision": str(precision),
                        "micro_batch": micro_batch, "sequence_length": sequence_length, "parameters": parameters,
@@ -98,7 +100,7 @@ class TraceCache:
     def __init__(self, folder: Path | None, *, study_folder: Path | None = None) -> None:
         self.store = KeyedJsonStore(folder)
         self.study_folder = study_folder
-        self._code: dict[str | None, dict[str, str | int | None]] = {}
+        self._code: dict[tuple[str | None, bool], dict[str, str | int | None]] = {}
 
     @classmethod
     def shared(cls, *, study_folder: Path | None = None) -> TraceCache:
@@ -113,17 +115,20 @@ class TraceCache:
         """The code a trace of ``model_spec`` runs, for its key: torch's version, transformers' for a model built by
         code (``hf_config``, ``entry_point``), the source of :data:`TRACE_CODE` and of the entry point's module."""
         entry_point = model_spec.get("entry_point")
-        if entry_point not in self._code:
+        which = (entry_point, bool(model_spec.get("peft")))
+        if which not in self._code:
             versions = installed_versions()  # importlib.metadata: nothing is imported
             code: dict[str, str | int | None] = {"torch": versions["torch"], "format": ENTRY_FORMAT,
                                                  "dsopt_trace_code": source_digest(TRACE_CODE)}
             if model_spec.get("hf_config") or entry_point:
                 code["transformers"] = versions["transformers"]
+            if model_spec.get("peft"):
+                code["peft"] = installed_version("peft")
             if entry_point:
                 code["entry_point_source"] = source_digest([str(entry_point).partition(":")[0]],
                                                            folder=self.study_folder)
-            self._code[entry_point] = code
-        return self._code[entry_point]
+            self._code[which] = code
+        return self._code[which]
 
     def key(self, *, model_spec: Mapping[str, Any], parameters: int | None, checkpointing: str,
             precision: Precision, micro_batch: int, sequence_length: int) -> str:
@@ -280,16 +285,21 @@ def with_traced_activations(study: StudySpec, *, candidates: Sequence[Candidate]
     stderr) naming the op, and the ledger uses the formula there. Other studies come back as they are.
     """
     from launchers.trial import model_dict
-    from optimizer.ledger.transformer import parameter_count
+    from optimizer.ledger.transformer import trainable_count
 
     model = study.model
     if not isinstance(model, TransformerModel) or not model.wants_trace or model.traced_activations:
         return study
+    if model.adapted and model.inventory is None:  # which tensors train is read off the built model only
+        from launchers.inventory import with_inventory
+
+        study = with_inventory(study)
+        model = study.model
     say = warn or (lambda line: print(line, file=sys.stderr))
     spec = model_dict(model)
     cache = TraceCache.shared(study_folder=study.path.parent.resolve())
     needed = needed_traces(study, candidates=candidates)
-    parameters = parameter_count(model)
+    parameters = trainable_count(model)  # what a trace counts (requires_grad), so the shallow copies extend to it
     seq = study.training.sequence_length
     jobs = [job for (c, p), batches in needed.items() for b in batches
             for job in [{"model_spec": spec, "parameters": parameters, "checkpointing": c, "precision": p,
@@ -316,7 +326,7 @@ def trace_rows(*, study: StudySpec, cache: TraceCache | Path | None = None) -> l
     norm, logits, loss). ``cache``: None (or a path, the per-study ``traces.json`` of before the shared cache
     folder, which callers still passing one mean) — the shared cache (:meth:`TraceCache.shared`)."""
     from launchers.trial import model_dict
-    from optimizer.ledger.transformer import activation_estimate, head_terms, parameter_count
+    from optimizer.ledger.transformer import activation_estimate, head_terms, trainable_count
 
     model = study.model
     spec = model_dict(model)
@@ -331,8 +341,8 @@ def trace_rows(*, study: StudySpec, cache: TraceCache | Path | None = None) -> l
         row: dict[str, Any] = {
             "checkpointing": checkpointing, "precision": str(precision), "micro_batch": mbs,
             "formula_bytes": formula.total_bytes, "formula_blocks_stored_bytes": formula.stored_bytes - head,
-            "formula_outside_blocks_bytes": head, "formula_parameters": parameter_count(model)}
-        entry = store.entry(model_spec=spec, parameters=parameter_count(model), checkpointing=checkpointing,
+            "formula_outside_blocks_bytes": head, "formula_parameters": trainable_count(model)}
+        entry = store.entry(model_spec=spec, parameters=trainable_count(model), checkpointing=checkpointing,
                             precision=precision, micro_batch=mbs, sequence_length=seq)
         result = entry["result"]
         if not entry["ok"]:

@@ -274,7 +274,9 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                                                                            checkpointing)
                 else:  # the model alone: the synthetic data's setup needs real values
                     model = build_model(model_spec, checkpointing=checkpointing)
-                model = apply_trainable(model, model_spec)  # autograd keeps what the frozen/adapted model needs
+                # autograd keeps what the frozen/adapted model needs; the adapters in the training dtype, as the
+                # engine casts them
+                model = apply_trainable(model, model_spec, as_deepspeed_casts=True)
             finally:
                 torch.set_default_dtype(previous)
             tokens = torch.randint(0, int(model_spec.get("vocab_size", 2)), (micro_batch, sequence_length + 1))

@@ -121,8 +121,8 @@ def _segments(shallow: tuple[tuple[int, ...], ...], deeper: tuple[tuple[int, ...
 def shallow_specs(model_spec: dict[str, Any], checkpointing: str,
                   parameters: int | None) -> tuple[tuple[int, int], list[dict[str, Any]]] | None:
     """The depths and specs of the two shallow copies to trace, or None to trace the model whole (it is not
-    deep enough, its depth cannot be set, or ``parameters`` — the full model's, to check the copies against —
-    is unknown)."""
+    deep enough, its depth cannot be set, or ``parameters`` — the full model's trainable count, as a trace counts
+    them, to check the copies against — is unknown)."""
     depths = shallow_depths(int(model_spec["layers"]), checkpointing)
     if depths is None or parameters is None:
         return None

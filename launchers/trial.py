@@ -263,8 +263,9 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
         result = dataclasses.replace(result, outcome=Outcome.CRASH, message=mismatch, tokens_per_s=None,
                                      log_tail=log_tail(log_path))
     if study.trial.command is not None and reports:
-        result = dataclasses.replace(result, script_parameters=next(
-            (r.get("script_parameters") for _, r in sorted(reports.items()) if r.get("script_parameters")), None))
+        first = {name: next((r.get(name) for _, r in sorted(reports.items()) if r.get(name)), None)
+                 for name in ("script_parameters", "script_trainable_parameters")}
+        result = dataclasses.replace(result, **first)
     if result.outcome is Outcome.OK:
         result = dataclasses.replace(result, log_tail="")
     record_json = {**result_json(result), "versions": installed_versions(),

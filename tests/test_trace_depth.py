@@ -193,3 +193,46 @@ def test_zero0_counts_the_gradients_made_by_the_joint_moment(tmp_path):
                                precision=Precision.FP32, sequence_length=seq, micro_batches=(2,), parameters=psi)
     ledger = compute_ledger(candidate=accumulating, model=replace(traced, traced_activations=(entry2,)), **spec)
     assert not any(i.name.startswith("gradients made by") for i in ledger.items)
+
+
+@pytest.mark.parametrize("setup", [
+    {"peft": {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}},
+    {"frozen": ["model.layers.[0-4].*"]},  # frozen by layer: the copies do not extend, traced whole
+], ids=["lora", "frozen-lower-layers"])
+def test_a_model_that_trains_in_part_extends_as_it_trains(setup):
+    """The shallow copies are checked against the trainable count — what a trace counts — so a LoRA'd model (every
+    block alike) is traced from copies, not at full depth (a 7B LoRA study took minutes per trace before), and a
+    model frozen by layer, whose blocks differ in what they save, is traced whole. Either way it equals the
+    full-depth trace."""
+    spec = {**_hf_spec("qwen2", 8), **setup}
+    full = trace(model_spec=spec, checkpointing="none", precision=Precision.FP32, **KW)
+    assert isinstance(full, TraceResult)
+    result = TraceCache(None).trace_model(model_spec=spec, parameters=full.parameters, checkpointing="none",
+                                          precision=Precision.FP32, **KW)
+    extended = any(n.startswith("traced at depths") for n in result.notes)
+    assert extended is ("peft" in setup)
+    for name in ("parameters", "activation_peak_bytes", "stored_bytes", "blocks_stored_bytes"):
+        assert getattr(result, name) == getattr(full, name), name
+
+
+def test_a_lora_study_is_traced_from_shallow_copies(tmp_path, monkeypatch):
+    """The study's traces (launchers.study_traces.with_traced_activations) check the copies against the
+    trainable count: before, they were checked against every parameter, never matched for a LoRA'd model, and
+    each combination was traced at full depth (minutes per trace for Llama-2-7B)."""
+    import yaml
+
+    from launchers.study_traces import with_traced_activations
+
+    config = {**FAMILIES["qwen2"]["config"], "num_hidden_layers": 8}
+    study = {"name": "lora-depth", "model": {"kind": "transformer", "hf_config": config, "attention": "eager",
+                                              "peft": {"r": 4, "target_modules": ["q_proj", "v_proj"]}},
+             "hardware": {"accelerator": "cpu", "gpus_per_node": 2, "gpu_memory": "1 GB", "host_memory": "4 GiB"},
+             "training": {"global_batch_size": 4, "micro_batch_size": 2, "sequence_length": 32},
+             "search_space": {"knobs": {"zero_stage": [0], "precision": ["fp32"], "checkpointing": ["none"],
+                                        "micro_batch_size": [2]}}}
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(study))
+    monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path / "cache"))
+    traced = with_traced_activations(load_study(tmp_path / "study.yaml"), warn=lambda line: None)
+    assert traced.model.traced_activations
+    stored = "".join(p.read_text() for p in (tmp_path / "cache").rglob("*.json"))
+    assert "traced at depths" in stored

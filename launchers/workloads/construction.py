@@ -131,9 +131,13 @@ def _draw_(weight: torch.Tensor, *, std: float, generator: torch.Generator) -> N
 
 @torch.no_grad()
 def seeded_init_(model: nn.Module, *, seed: int, std: float) -> None:
-    """Draw every Linear/Embedding weight from (seed, its name); zero biases and padding rows (in place)."""
+    """Draw every Linear/Embedding weight — and transformers' ``Conv1D`` (GPT-2's projections, a Linear stored
+    transposed) — from (seed, its name); zero biases and padding rows (in place). Conv1D was left at the
+    library's own init until issue 36: its draws depend on the construction (``zero.Init`` consumes the global
+    generator otherwise), so a GPT-2 candidate and its zero.Init FP32 reference started from different weights."""
     for module_name, module in model.named_modules():
-        if not isinstance(module, nn.Linear | nn.Embedding):
+        conv1d = type(module).__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), nn.Parameter)
+        if not (isinstance(module, nn.Linear | nn.Embedding) or conv1d):
             continue
         own = [p for p in (module.weight, getattr(module, "bias", None)) if p is not None]
         with _gathered(own):
@@ -141,5 +145,5 @@ def seeded_init_(model: nn.Module, *, seed: int, std: float) -> None:
             _draw_(weight, std=std, generator=_generator(seed, f"{module_name}.weight", weight.device))
             if isinstance(module, nn.Embedding) and module.padding_idx is not None:
                 weight[module.padding_idx].zero_()
-            if isinstance(module, nn.Linear) and module.bias is not None:
+            if (isinstance(module, nn.Linear) or conv1d) and getattr(module, "bias", None) is not None:
                 module.bias.zero_()

@@ -183,6 +183,8 @@ def _on_engine(engine: Any) -> None:
     parameters = list(engine.module.parameters())
     state.init["built_partitioned"] = any(hasattr(p, "ds_id") for p in parameters)
     state.init["script_parameters"] = sum(int(getattr(p, "ds_numel", p.numel())) for p in parameters)
+    state.init["script_trainable_parameters"] = sum(int(getattr(p, "ds_numel", p.numel())) for p in parameters
+                                                    if p.requires_grad)
     state.engine = engine
     mismatches = engine_mismatches(state.plan, engine_knobs(engine))
     if mismatches:
@@ -335,6 +337,7 @@ def _report(status: str, **failure: Any) -> dict[str, Any]:
         "step_times_s": state.step_times, "init_s": state.init.get("init_s"),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "build_peak_allocated_bytes": None, "script_parameters": state.init.get("script_parameters"),
+        "script_trainable_parameters": state.init.get("script_trainable_parameters"),
         "tokens_per_step": max(state.tokens) if state.tokens else None,
         "checkpoint_calls_per_forward": sorted(set(state.forward_calls)),
     }

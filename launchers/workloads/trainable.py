@@ -98,8 +98,14 @@ def no_op_moves_skipped() -> Iterator[None]:
         nn.Module.to = original  # type: ignore[method-assign]
 
 
-def add_adapters(model: nn.Module, fields: dict[str, Any]) -> nn.Module:
-    """The model with LoRA adapters (``peft.get_peft_model``); TrainableSetupError where PEFT finds no target."""
+def add_adapters(model: nn.Module, fields: dict[str, Any], *, as_deepspeed_casts: bool = False) -> nn.Module:
+    """The model with LoRA adapters (``peft.get_peft_model``); TrainableSetupError where PEFT finds no target.
+
+    PEFT keeps the adapters of a bf16/fp16 model in fp32 (``autocast_adapter_dtype=True``, its default), and a
+    script's model gets them so; DeepSpeed then casts every parameter to the training dtype, adapters included
+    (``engine.py:1859-1862``). ``as_deepspeed_casts``: make them in the model's dtype at once, as they train under
+    DeepSpeed — for the fake-tensor trace, which has no engine to cast them (else every adapter's fp32 input copy
+    would be counted as kept for backward)."""
     import peft
     from torch import nn
 
@@ -107,7 +113,7 @@ def add_adapters(model: nn.Module, fields: dict[str, Any]) -> nn.Module:
     config = lora_config(fields, causal_lm=base is not model)
     try:
         with no_op_moves_skipped():
-            wrapped = peft.get_peft_model(base, config)
+            wrapped = peft.get_peft_model(base, config, autocast_adapter_dtype=not as_deepspeed_casts)
     except ValueError as err:  # "Target modules {...} not found in the base model."
         names = sorted({name.rsplit(".", 1)[-1] for name, m in base.named_modules() if isinstance(m, nn.Linear)})
         raise TrainableSetupError("model.peft.target_modules", f"{err} (its linear layers: {', '.join(names[:12])}"
@@ -118,13 +124,14 @@ def add_adapters(model: nn.Module, fields: dict[str, Any]) -> nn.Module:
     return model
 
 
-def apply_trainable(model: nn.Module, model_spec: dict[str, Any]) -> nn.Module:
+def apply_trainable(model: nn.Module, model_spec: dict[str, Any], *, as_deepspeed_casts: bool = False) -> nn.Module:
     """``model`` as the study trains it: frozen by ``model_spec["frozen"]``, adapters by ``model_spec["peft"]``
-    (:func:`launchers.trial.model_dict`); a full fine-tune's model comes back as it is."""
+    (:func:`launchers.trial.model_dict`; ``as_deepspeed_casts``: :func:`add_adapters`); a full fine-tune's model
+    comes back as it is."""
     if model_spec.get("frozen"):
         freeze(model, model_spec["frozen"])
     if model_spec.get("peft"):
-        model = add_adapters(model, model_spec["peft"])
+        model = add_adapters(model, model_spec["peft"], as_deepspeed_casts=as_deepspeed_casts)
     if not any(p.requires_grad for p in model.parameters()):
         raise TrainableSetupError("training.frozen", "no parameter of the model trains (DeepSpeed would raise "
                                   "IndexError at stage_1_and_2.py:442 on an empty group)")

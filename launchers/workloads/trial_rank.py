@@ -256,6 +256,10 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
         built_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())  # zero.Init's mark
         engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
                                                                          if p.requires_grad], config=config)
+    # Training draws (dropout masks, LoRA dropout) from one state whatever the construction consumed: zero.Init
+    # and PEFT's adapter init draw from the global generator, so a candidate and its FP32 reference built
+    # otherwise would see different masks.
+    torch.manual_seed(plan["seed"] + 1)
     if cuda:
         torch.cuda.synchronize()
     init_s = time.perf_counter() - init_start

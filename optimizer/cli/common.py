@@ -122,7 +122,9 @@ def inventory_json(study: StudySpec) -> dict[str, object] | None:
             "tensors": len(inventory.tensors), "largest_module": {"name": name, "elements": largest},
             "by_module_type": [{"module_type": t, "tensors": n, "elements": e}
                                for t, n, e in inventory.by_module_type()],
-            "tied": [list(group) for group in inventory.tied]}
+            "tied": [list(group) for group in inventory.tied],
+            "trainable": inventory.trainable_parameters, "frozen": inventory.frozen_parameters,
+            "trainable_tensors": sum(t.trainable for t in inventory.tensors)}
 
 def speed(study: StudySpec, candidate: Candidate) -> StepTime | str:
     if isinstance(study.model, SeedModel):

@@ -26,7 +26,8 @@ def run(args: argparse.Namespace) -> int:
     print("peak: high-water mark of activations + temporaries (traced) vs Korthikanti's stored + one recomputed "
           "block (formula); kept: live when forward ends, in the blocks / outside them (embeddings, head, loss)")
     print("| checkpointing | precision | peak traced MB (phase) | formula MB | difference | "
-          "kept in blocks traced / formula MB | kept outside traced / formula MB | parameters traced / ledger |")
+          "kept in blocks traced / formula MB | kept outside traced / formula MB | "
+          "trainable parameters traced / ledger |")
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         if row["source"] != "trace":

@@ -162,6 +162,9 @@ class TrialResult:
     script_parameters: int | None = None
     """A script trial (``trial.command``): the parameters of the model the script's engine trains (ZeRO-3's full
     counts), beside the model section's planned count; None for dsopt's own step."""
+    script_trainable_parameters: int | None = None
+    """A script trial: how many of them train (``requires_grad``: PEFT's adapters, what the script left unfrozen),
+    beside the planned Ψtr (``model.peft``, ``training.frozen``); None for dsopt's own step."""
 
     def _rank_max(self, field: str) -> int | float | None:
         values = [v for r in self.ranks if (v := getattr(r, field)) is not None]

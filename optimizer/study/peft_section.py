@@ -32,6 +32,10 @@ PLANNED_FIELDS = ("peft_type", "task_type", "r", "lora_alpha", "lora_dropout", "
 BOOKKEEPING_FIELDS = ("base_model_name_or_path", "revision", "inference_mode", "auto_mapping", "peft_version")
 """Fields of a saved ``adapter_config.json`` that say where it came from, not what trains: ignored."""
 
+INERT_DEFAULTS = {"megatron_core": "megatron.core", "qalora_group_size": 16}
+"""Unplanned fields whose default is not empty but which act only beside another field that is (``megatron_core``
+with ``megatron_config``, ``qalora_group_size`` with ``use_qalora``): accepted at these values in a saved config."""
+
 BIAS_CHOICES = ("none", "all", "lora_only")
 """``LoraConfig.bias``: which biases train beside the adapters (peft ``tuners/tuners_utils.py``
 ``_mark_only_adapters_as_trainable``)."""
@@ -140,7 +144,7 @@ def lora_fields(raw: Mapping[str, Any], *, source: str, prefix: str, saved: bool
                 out[name] = _check_field(name, value)
             except ValueError as err:
                 raise UserError(source=source, key=prefix + name, why=str(err)) from None
-        elif saved and (name in BOOKKEEPING_FIELDS or _is_default(value)):
+        elif saved and (name in BOOKKEEPING_FIELDS or _is_default(value) or INERT_DEFAULTS.get(name) == value):
             continue
         elif saved:
             raise UserError(source=source, key=prefix + name, why="dsopt cannot plan this LoraConfig field at "
