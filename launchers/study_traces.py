@@ -29,14 +29,15 @@ from optimizer.study.constraints import invalid_reasons
 from optimizer.study.knobs import Candidate, Precision, parse_checkpointing, with_knobs
 from optimizer.study.specs import TransformerModel, baseline_candidate
 from optimizer.study.study_file import StudySpec
-from optimizer.study.traced_activation import TracedActivation
+from optimizer.study.traced_activation import ZERO3_RUN, TracedActivation
 
 if TYPE_CHECKING:
     from launchers.trace import TraceFailure, TraceResult
 
 TRACE_CODE = ("launchers.trace", "launchers.trace_depth", "launchers.workloads.builtin",
               "launchers.workloads.construction", "launchers.workloads.hf_model", "launchers.workloads.fake_kernels",
-              "optimizer.deepspeed.zero3_gather", "optimizer.deepspeed.zero_settings", "launchers.workloads.trainable")
+              "optimizer.deepspeed.zero3_gather", "optimizer.deepspeed.zero_settings", "launchers.workloads.trainable",
+              "launchers.workloads.zero3_linear")
 """dsopt's modules that make a whole-model trace (the tracer, the depth extension, the models it builds, the
 ZeRO-3 replay): their source is in every key, so an edit of any of them traces again."""
 ENTRY_FORMAT = 1
@@ -192,7 +193,8 @@ def traced_activation(*, cache: TraceCache | None, model_spec: dict[str, Any], c
                             precision=precision, micro_batch=micro_batch, sequence_length=sequence_length)
         result = entry["result"]
         if not entry["ok"]:
-            return TracedActivation(checkpointing=checkpointing, precision=precision, failed_op=result["op"])
+            return TracedActivation(checkpointing=checkpointing, precision=precision, failed_op=result["op"],
+                                    zero3_run=bool(model_spec.get(ZERO3_RUN)))
         points.append((micro_batch, result["activation_peak_bytes"]))
         joints.append((micro_batch, *_joint_peak(result["joint_segments"])))
         splits.append((micro_batch, max(result["ungraded_segments"], default=0),
@@ -201,7 +203,7 @@ def traced_activation(*, cache: TraceCache | None, model_spec: dict[str, Any], c
         zero3 = max(zero3, result["zero3_gathered_elements"])
     return TracedActivation(checkpointing=checkpointing, precision=precision, points=tuple(points), peak_phase=phase,
                             joint_points=tuple(joints), split_points=tuple(splits), notes=notes,
-                            zero3_gathered=zero3)
+                            zero3_gathered=zero3, zero3_run=bool(model_spec.get(ZERO3_RUN)))
 
 
 def usable_cpus() -> int:
@@ -259,18 +261,22 @@ def traced_micro_batches(study: StudySpec) -> tuple[int, ...]:
 
 
 def needed_traces(study: StudySpec, *, candidates: Sequence[Candidate] | None = None
-                  ) -> dict[tuple[str, Precision], tuple[int, ...]]:
-    """The micro-batches to trace per (checkpointing, precision): with ``candidates``, those the valid ones use
-    (an invalid candidate has no ledger); else every micro-batch of the space for each
-    :func:`traceable_options` pair."""
+                  ) -> dict[tuple[str, Precision, bool], tuple[int, ...]]:
+    """The micro-batches to trace per (checkpointing, precision, ZeRO-3 run): with ``candidates``, those the valid
+    ones use (an invalid candidate has no ledger); else every micro-batch of the space for each
+    :func:`traceable_options` pair. The third part is true only for the ZeRO-3 candidates of a model that trains
+    in part (:data:`optimizer.study.traced_activation.ZERO3_RUN`): a full fine-tune's table is as it was."""
+    adapted = isinstance(study.model, TransformerModel) and study.model.adapted
     if candidates is None:
         micro_batches = traced_micro_batches(study)
-        return {option: micro_batches for option in traceable_options(study)}
-    needed: dict[tuple[str, Precision], set[int]] = {}
+        stages = {int(s) for s in dict(study.search_space.values).get("zero_stage", ())}
+        runs = [False, True] if adapted and 3 in stages else [False]
+        return {(*option, zero3): micro_batches for option in traceable_options(study) for zero3 in runs}
+    needed: dict[tuple[str, Precision, bool], set[int]] = {}
     for candidate in candidates:
         if not invalid_reasons(candidate=candidate, model=study.model, hardware=study.hardware,
                                training=study.training):
-            option = (str(candidate.checkpointing), candidate.precision)
+            option = (str(candidate.checkpointing), candidate.precision, adapted and candidate.zero_stage == 3)
             needed.setdefault(option, set()).add(candidate.micro_batch_size)
     return {option: tuple(sorted(batches)) for option, batches in needed.items()}
 
@@ -301,17 +307,19 @@ def with_traced_activations(study: StudySpec, *, candidates: Sequence[Candidate]
     needed = needed_traces(study, candidates=candidates)
     parameters = trainable_count(model)  # what a trace counts (requires_grad), so the shallow copies extend to it
     seq = study.training.sequence_length
-    jobs = [job for (c, p), batches in needed.items() for b in batches
-            for job in [{"model_spec": spec, "parameters": parameters, "checkpointing": c, "precision": p,
+    specs = {False: spec, True: {**spec, ZERO3_RUN: True}}
+    jobs = [job for (c, p, zero3), batches in needed.items() for b in batches
+            for job in [{"model_spec": specs[zero3], "parameters": parameters, "checkpointing": c, "precision": p,
                          "micro_batch": b, "sequence_length": seq}] if not cache.holds(**job)]
     if jobs:
         say(f"dsopt: tracing the model on fake tensors: {len(jobs)} (checkpointing, precision, micro-batch) "
             f"combinations, seconds each; cached in {cache.folder}")
         fill(cache, jobs)
     table = []
-    for (checkpointing, precision), batches in needed.items():
-        entry = traced_activation(cache=cache, model_spec=spec, checkpointing=checkpointing, precision=precision,
-                                  sequence_length=seq, micro_batches=batches, parameters=parameters)
+    for (checkpointing, precision, zero3), batches in needed.items():
+        entry = traced_activation(cache=cache, model_spec=specs[zero3], checkpointing=checkpointing,
+                                  precision=precision, sequence_length=seq, micro_batches=batches,
+                                  parameters=parameters)
         if entry.failed_op is not None:
             say(f"warning: {study.path}: model.activations: {model.activations}: trace failed for "
                 f"checkpointing={checkpointing} precision={precision} at {entry.failed_op}; the ledger uses the "

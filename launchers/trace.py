@@ -31,9 +31,11 @@ import torch
 from torch import nn
 
 from launchers.workloads.fake_kernels import grouped_mm_for_fake_tensors
+from launchers.workloads.zero3_linear import deepspeed_linear
 from optimizer.deepspeed.zero3_gather import gathered
 from optimizer.deepspeed.zero_settings import gather_settings
 from optimizer.study.knobs import Precision
+from optimizer.study.traced_activation import ZERO3_RUN
 
 DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 WORKING_KINDS = ("Activation", "Temp")
@@ -256,7 +258,8 @@ def _block_growth(tracker: Any, block: nn.Module) -> int:
 def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precision, micro_batch: int,
           sequence_length: int) -> TraceResult | TraceFailure:
     """Trace one forward + backward of ``micro_batch`` samples (module doc). ``model_spec`` is
-    :func:`launchers.trial.model_dict` of the study's model (its ``entry_point`` and ``hf_config`` included)."""
+    :func:`launchers.trial.model_dict` of the study's model (its ``entry_point`` and ``hf_config`` included), with
+    :data:`optimizer.study.traced_activation.ZERO3_RUN` for the variant of a ZeRO-3 run."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from launchers.workloads.builtin import build_model, decoder_blocks, load_entry_point
@@ -264,6 +267,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
 
     previous = torch.get_default_dtype()
     notes: list[str] = []
+    zero3 = bool(model_spec.get(ZERO3_RUN))
     try:
         # what the model prints goes to stderr: stdout may carry ``--json``
         with FakeTensorMode(), grouped_mm_for_fake_tensors(notes), contextlib.redirect_stdout(sys.stderr):
@@ -275,8 +279,9 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                 else:  # the model alone: the synthetic data's setup needs real values
                     model = build_model(model_spec, checkpointing=checkpointing)
                 # autograd keeps what the frozen/adapted model needs; the adapters in the training dtype, as the
-                # engine casts them
-                model = apply_trainable(model, model_spec, as_deepspeed_casts=True)
+                # engine casts them — but not under ZeRO-3, where the model built by zero.Init is not cast
+                # (engine.py:1859-1862, 2077) and PEFT's adapters stay fp32 (lora/layer.py:1100 casts their input)
+                model = apply_trainable(model, model_spec, as_deepspeed_casts=not zero3)
             finally:
                 torch.set_default_dtype(previous)
             tokens = torch.randint(0, int(model_spec.get("vocab_size", 2)), (micro_batch, sequence_length + 1))
@@ -285,7 +290,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
             tracker = _tracker(blocks, modules)
             tracker.track_external(model)
             by_op = _kept_by_op_mode([*model.parameters(), *model.buffers(), tokens])
-            with tracker:
+            with tracker, deepspeed_linear() if zero3 else contextlib.nullcontext():
                 with by_op:
                     loss = model(tokens)
                 stored = _working(tracker.get_tracker_snapshot("current"))

@@ -24,7 +24,8 @@ def activation_source(items: list[LedgerItem] | tuple[LedgerItem, ...]) -> str:
 
 def usable_trace(model: TransformerModel, candidate: Candidate) -> TracedActivation | None:
     """The candidate's successful trace when the model asks for traces (``trace``/``auto``), else None."""
-    traced = model.traced_for(candidate.checkpointing, candidate.precision) if model.wants_trace else None
+    traced = model.traced_for(candidate.checkpointing, candidate.precision,
+                              zero3=candidate.zero_stage == 3) if model.wants_trace else None
     return traced if traced is not None and traced.failed_op is None else None
 
 
@@ -49,7 +50,8 @@ def activation_items(*, model: TransformerModel, candidate: Candidate, sequence_
     * otherwise the formula's two lines (kept for backward, + one recomputed block); when the trace failed,
       the source says at which op, and an ``auto`` study not traced says so.
     """
-    traced = model.traced_for(candidate.checkpointing, candidate.precision) if model.wants_trace else None
+    traced = model.traced_for(candidate.checkpointing, candidate.precision,
+                              zero3=candidate.zero_stage == 3) if model.wants_trace else None
     if traced is not None and traced.failed_op is None:
         b = candidate.micro_batch_size
         how = f"traced at b = {b}" if b in dict(traced.points) else \

@@ -208,10 +208,15 @@ class TransformerModel:
         """``activations`` asks for the trace (``trace`` or ``auto``)."""
         return self.activations is not ActivationSource.FORMULA
 
-    def traced_for(self, checkpointing: Checkpointing, precision: Precision) -> TracedActivation | None:
-        """The traced entry for this granularity and precision (failed ones included), or None."""
-        return next((t for t in self.traced_activations
-                     if t.checkpointing == str(checkpointing) and t.precision is precision), None)
+    def traced_for(self, checkpointing: Checkpointing, precision: Precision, *,
+                   zero3: bool = False) -> TracedActivation | None:
+        """The traced entry for this granularity and precision (failed ones included), or None. ``zero3`` (a
+        ZeRO-3 candidate) of a model that trains in part: the entry traced as a ZeRO-3 run holds it
+        (``TracedActivation.zero3_run``) where the table has one."""
+        matches = [t for t in self.traced_activations
+                   if t.checkpointing == str(checkpointing) and t.precision is precision]
+        want = zero3 and self.adapted
+        return next((t for t in matches if t.zero3_run is want), matches[0] if matches else None)
 
 
 ModelSpec = SeedModel | TransformerModel

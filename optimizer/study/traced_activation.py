@@ -7,6 +7,11 @@ from dataclasses import dataclass
 
 from optimizer.study.knobs import Precision, coerce_enums
 
+ZERO3_RUN = "zero3_run"
+"""Set (true) in a model spec (``launchers.trial.model_dict``) to trace the model as a ZeRO-3 run holds it:
+DeepSpeed's linear keeping every Linear's input (``launchers/workloads/zero3_linear.py``), PEFT's adapters in
+their own dtype. Only a model that trains in part differs (a full fine-tune's Linears keep their inputs anyway),
+so only its ZeRO-3 candidates ask."""
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TracedActivation:
@@ -41,6 +46,10 @@ class TracedActivation:
     zero3_gathered: int = 0
     """The most parameter elements ZeRO-3 keeps gathered at once, DeepSpeed's coordinator replayed over the
     traced module order (:mod:`optimizer.deepspeed.zero3_gather`); 0 when not traced."""
+    zero3_run: bool = False
+    """Traced as a ZeRO-3 run holds the model (``launchers.trace.ZERO3_RUN``: DeepSpeed's linear keeps every
+    Linear's input, the adapters stay in their own dtype) — a model that trains in part, for its ZeRO-3
+    candidates."""
 
     def __post_init__(self) -> None:
         coerce_enums(self, precision=Precision)
