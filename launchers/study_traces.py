@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 TRACE_CODE = ("launchers.trace", "launchers.trace_depth", "launchers.workloads.builtin",
               "launchers.workloads.construction", "launchers.workloads.hf_model", "launchers.workloads.fake_kernels",
               "optimizer.deepspeed.zero3_gather", "optimizer.deepspeed.zero_settings", "launchers.workloads.trainable",
-              "launchers.workloads.zero3_linear")
+              "launchers.workloads.zero3_linear", "launchers.workloads.reference")
 """dsopt's modules that make a whole-model trace (the tracer, the depth extension, the models it builds, the
 ZeRO-3 replay): their source is in every key, so an edit of any of them traces again."""
 ENTRY_FORMAT = 1

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from launchers.workloads.fake_kernels import grouped_mm_for_fake_tensors
+from launchers.workloads.reference import anchored, freeze_all, frozen_copy_spec, reference_forward
 from launchers.workloads.zero3_linear import deepspeed_linear
 from optimizer.deepspeed.zero3_gather import gathered
 from optimizer.deepspeed.zero_settings import gather_settings
@@ -282,6 +283,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                 # engine casts them — but not under ZeRO-3, where the model built by zero.Init is not cast
                 # (engine.py:1859-1862, 2077) and PEFT's adapters stay fp32 (lora/layer.py:1100 casts their input)
                 model = apply_trainable(model, model_spec, as_deepspeed_casts=not zero3)
+                reference = _reference_model(model_spec, sequence_length)
             finally:
                 torch.set_default_dtype(previous)
             tokens = torch.randint(0, int(model_spec.get("vocab_size", 2)), (micro_batch, sequence_length + 1))
@@ -295,6 +297,8 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                     loss = model(tokens)
                 stored = _working(tracker.get_tracker_snapshot("current"))
                 kept_by_op = by_op.kept()
+                if model_spec.get("reference_model"):  # after the policy's forward, as TRL runs it
+                    loss = anchored(loss, reference_forward(policy=model, reference=reference, batch=tokens))
                 loss.backward()
             total_peak = _kinds(tracker.get_tracker_snapshot("peak")).get("Total", 0)
             blocks_stored = sum(_block_growth(tracker, block) for block in blocks) if blocks is not None else 0
@@ -312,6 +316,24 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                        ungraded_segments=tuple(tracker.ungraded_segments),
                        graded_segments=tuple(tracker.graded_segments), notes=tuple(notes),
                        zero3_gathered_elements=gathered, zero3_gathered_after_forward=gathered_turn)
+
+
+def _reference_model(model_spec: dict[str, Any], sequence_length: int) -> nn.Module | None:
+    """The frozen reference copy (:mod:`launchers.workloads.reference`), in the current (training) dtype as TRL loads
+    it, or None without a reference. Built before the tracker starts, its parameters are not the step's
+    activations; its forward's working memory is. With PEFT the ranks run the policy with its adapters disabled
+    instead, which MemTracker cannot follow (a module's second forward in one step raises NotImplementedError):
+    the same base model as a copy runs the same ops on the same shapes."""
+    from launchers.workloads.builtin import build_model, load_entry_point
+
+    if not model_spec.get("reference_model"):
+        return None
+    spec = frozen_copy_spec(model_spec)
+    if spec.get("entry_point"):
+        model, _ = load_entry_point(spec["entry_point"])(spec, sequence_length, 0, "none")
+    else:
+        model = build_model(spec, checkpointing="none")
+    return freeze_all(model)
 
 
 def _zero3_gathered(model: nn.Module, modules: list[nn.Module], events: list[tuple[str, int]],

@@ -54,6 +54,7 @@ from launchers.workloads.builtin import build_workload
 from launchers.workloads.cpu_memory import LivePeaks, start_cpu_profiler, stop_cpu_profiler
 from launchers.workloads.device_identity import cuda_rank, device_identity
 from launchers.workloads.device_memory import DeviceMemory
+from launchers.workloads.reference import anchored, reference_engine, reference_forward
 from optimizer.results.loss_scaling import StepKind, min_loss_scale, skip_allowance, step_kind
 from optimizer.results.trial_result import INIT_STOP, OVER_BUDGET, StopAbove
 
@@ -256,6 +257,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
         built_partitioned = any(hasattr(p, "ds_id") for p in model.parameters())  # zero.Init's mark
         engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
                                                                          if p.requires_grad], config=config)
+        reference = reference_engine(plan, device=device) if plan["model"].get("reference_model") else None
     # Training draws (dropout masks, LoRA dropout) from one state whatever the construction consumed: zero.Init
     # and PEFT's adapter init draw from the global generator, so a candidate and its FP32 reference built
     # otherwise would see different masks.
@@ -300,6 +302,8 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
         manual_norm = None
         for micro_index, batch in enumerate(batches):
             loss = engine(batch)
+            if plan["model"].get("reference_model"):  # the reference's forward after the policy's, as TRL's
+                loss = anchored(loss, reference_forward(policy=engine, reference=reference, batch=batch))
             engine.backward(loss)
             if micro_index == accumulation - 1 and not _reports_grad_norm(engine):
                 manual_norm = _grad_norm(engine.module)  # stage 0 fp32: reduced grads are on the parameters

@@ -14,7 +14,13 @@ from optimizer.study.study_file import load_study
 
 
 def run(args: argparse.Namespace) -> int:
-    from optimizer.results.export import construction_advice, export_text, exported_config, write_atomically
+    from optimizer.results.export import (
+        construction_advice,
+        export_text,
+        exported_config,
+        planned_setup,
+        write_atomically,
+    )
     from optimizer.results.pareto import headroom_lines, pick_trial
 
     study = load_study(args.study)
@@ -37,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(headroom_lines(stored, picked=trial, how=args.pick, budget_bytes=budget, headroom=headroom)))
     kind = "Hugging Face Trainer variant: batch sizes and optimizer params = auto" if hf else "DeepSpeed config"
     print(f"wrote {out} ({kind}; validated by DeepSpeed's parser)")
+    print(planned_setup(study))
     if command is not None:
         line = exported_command(command, candidate=with_knobs(baseline_candidate(study.training), attrs["candidate"]),
                                 ds_config=str(out), global_batch_size=study.training.global_batch_size,

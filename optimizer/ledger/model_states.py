@@ -40,6 +40,7 @@ from optimizer.deepspeed.zero_settings import ZeroSettings, zero_settings
 from optimizer.ledger.activations import activation_items, joint_trace, usable_trace
 from optimizer.ledger.init_phase import construction_moments, init_items, init_moments, moment_bytes, parameter_location
 from optimizer.ledger.items import Category, LedgerItem, Location, Phase
+from optimizer.ledger.reference import reference_items
 from optimizer.ledger.state_sizes import (
     ADAM_STATE_BYTES,
     DS,
@@ -223,6 +224,7 @@ def transformer_items(
         items = _stage12(z, candidate, settings, joined=joined, split=split,
                          gloo=hardware.accelerator is Accelerator.CPU)
 
+    items += reference_items(z, candidate, settings, model)
     items += activation_items(model=model, candidate=candidate, sequence_length=training.sequence_length,
                               element_bytes=z.g, joined=joined, split=split)
     moments = init_moments(candidate=candidate, construction=training.construction(stage), psi=z.psi,

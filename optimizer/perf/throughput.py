@@ -10,18 +10,29 @@ G = global batch, s sequence length, T = G·s/W tokens per rank, M = G/(micro-ba
   is added since it is a matmul); training = 3·F·T (backward ≈ 2× forward). Recomputation adds the
   forward of the recomputed blocks: all of them (``full``), every k-th (``every_k``), or the attention
   scores 2·L·s·h per token (``selective``). Time = FLOPs / (peak FLOP/s × efficiency).
+  A model that trains in part (PEFT adapters, ``training.frozen``; :class:`BackwardShare`) splits the backward
+  into its two GEMMs per weight: the input gradient (2 FLOPs per weight element and token, and the attention
+  scores' 2·L·s·h, from the top of the model down to its lowest trainable tensor — autograd computes no
+  gradient below it) and the weight gradient (2 per *trainable* weight element only: ``torch.nn.functional
+  .linear``'s backward skips ``grad_weight`` when ``needs_input_grad[1]`` is false). A full fine-tune gives
+  2·F again. The adapters' own GEMMs (2·r·(fan_in + fan_out) per token each) are in the forward through Ψ,
+  which counts their parameters.
 * **communication** — ring collectives move (W−1)/W of the buffer per rank; grads and 16-bit params travel
   in the training dtype (b = 2 bytes for bf16/fp16, 4 for fp32). ZeRO paper §7 (Rajbhandari et al. 2020):
   plain data parallel and ZeRO-1/2 move 2Ψ per step (all-reduce = reduce-scatter + all-gather), ZeRO-3
-  3Ψ (parameters gathered in forward and again in backward, gradients reduce-scattered). DeepSpeed
+  3Ψ (parameters gathered in forward and again in backward, gradients reduce-scattered). Only trainable
+  tensors have gradients to reduce and, at ZeRO-1/2, a flat group to gather (``stage_1_and_2.py:428-434``;
+  stage 0 reduces the parameters with a ``.grad``, ``engine.py:3073-3095``): 2Ψtr; ZeRO-3 gathers every
+  tensor, frozen ones too, in forward and backward and reduce-scatters the trainable ones: 2Ψ + Ψtr. DeepSpeed
   reduces ZeRO-2 gradients every micro-step and ZeRO-3 gathers/reduces every micro-step, so with
   gradient accumulation those volumes repeat M times. ZeRO-3 has ``overlap_comm`` and prefetching on
   (dsopt's builder): its communication is counted as hidden under compute up to the compute time.
 * **offload** — optimizer on the CPU: 16-bit (or fp32) gradients of the rank's partition go to the host and
-  updated parameters come back over PCIe each step (2·Ψ/W·b bytes), and DeepSpeedCPUAdam updates Ψ/W
-  parameters on the host. Parameters on the CPU (ZeRO-3): the partition crosses PCIe in forward and
-  backward of every micro-step (2·M·Ψ/W·b). NVMe adds the optimizer states' swap (12 bytes/param read and
-  written) at the NVMe bandwidth, which is unknown unless calibrated.
+  updated parameters come back over PCIe each step (2·Ψtr/W·b bytes), and DeepSpeedCPUAdam updates Ψtr/W
+  parameters on the host (the optimizer holds the trainable partition only). Parameters on the CPU (ZeRO-3):
+  the partition crosses PCIe in forward and backward of every micro-step (2·M·Ψ/W·b, frozen partitions too).
+  NVMe adds the optimizer states' swap (12 bytes per trainable parameter read and written) at the NVMe
+  bandwidth, which is unknown unless calibrated.
 * **overhead** — a fixed time per micro-step that depends on the ZeRO stage (hooks, bucketing, launches).
   Unknown a priori (0 on GPUs before calibration); on CPU ranks it dominates small models.
 
@@ -33,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from optimizer.ledger.transformer import parameter_count
+from optimizer.ledger.transformer import parameter_count, trainable_count
 from optimizer.study.constraints import gradient_accumulation_steps
 from optimizer.study.knobs import (
     Candidate,
@@ -113,19 +124,71 @@ class StepTime:
     """Where the rates came from."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BackwardShare:
+    """What of the backward a model that trains in part computes (module doc, **compute**); from its inventory."""
+
+    trainable_blocks: int
+    """Trainable elements outside the embeddings and the LM head (adapters, unfrozen layers): their weight
+    gradients."""
+    head_trains: bool
+    """The LM head's weight (the embedding's, when tied) trains: its weight gradient is computed."""
+    frozen_prefix: int
+    """Block elements before the first trainable tensor in the model's order: no input gradient flows there."""
+    below_head: bool
+    """Something under the LM head trains, so the head's input gradient is computed."""
+
+
+def backward_share(model: TransformerModel) -> BackwardShare | None:
+    """The :class:`BackwardShare` of ``model``, or None when every parameter trains (no inventory, or all of it
+    trainable). Embeddings are the inventory's ``*Embedding`` modules; the LM head is the non-embedding tensor
+    of shape (V, h) — its name differs between families, its shape does not."""
+    inventory = model.inventory
+    if inventory is None or inventory.trainable_parameters == inventory.parameters:
+        return None
+    V, h = model.vocab_size, model.hidden_size
+    trainable_blocks = prefix = 0
+    head_trains = below_head = seen_trainable = False
+    for tensor in inventory.tensors:
+        embedding = "Embedding" in tensor.module_type
+        head = not embedding and tensor.shape == (V, h)
+        if head:
+            head_trains = head_trains or tensor.trainable
+            continue
+        if tensor.trainable:
+            seen_trainable = below_head = True
+            if embedding and model.tied_embeddings and tensor.shape == (V, h):
+                head_trains = True
+        if embedding:
+            continue
+        if tensor.trainable:
+            trainable_blocks += tensor.numel
+        elif not seen_trainable:
+            prefix += tensor.numel
+    return BackwardShare(trainable_blocks=trainable_blocks, head_trains=head_trains, frozen_prefix=prefix,
+                         below_head=below_head)
+
+
 def work(*, candidate: Candidate, model: TransformerModel, hardware: HardwareSpec, training: TrainingSpec) -> Work:
     """The work of one optimizer step per rank for ``candidate`` (module doc for each formula)."""
     ranks = hardware.world_size
     micro = gradient_accumulation_steps(candidate=candidate, hardware=hardware, training=training)
     tokens = training.global_batch_size * training.sequence_length // ranks
     L, h, s, V = model.layers, model.hidden_size, training.sequence_length, model.vocab_size
-    psi = parameter_count(model)
+    psi, psi_tr = parameter_count(model), trainable_count(model)
     embedding = V * h + (model.max_positions * h if model.position_embedding.value == "learned" else 0)
     head = 0 if model.tied_embeddings else V * h
     blocks = psi - embedding - head
     attention = 2 * L * s * h
     block_forward = 2 * blocks + attention          # per token
     forward = block_forward + 2 * V * h             # + LM head matmul
+    share = backward_share(model)
+    if share is None:  # every parameter trains
+        backward = 2 * forward
+    else:
+        above = 1.0 - share.frozen_prefix / blocks if blocks else 1.0
+        backward = (above * (2 * blocks + 2 * attention) + (2 * V * h if share.below_head else 0)
+                    + 2 * share.trainable_blocks + (2 * V * h if share.head_trains else 0))
     ckpt = candidate.checkpointing
     if isinstance(ckpt, FullCheckpointing):
         recompute = block_forward
@@ -135,24 +198,24 @@ def work(*, candidate: Candidate, model: TransformerModel, hardware: HardwareSpe
         recompute = attention
     else:
         recompute = 0
-    flops = float(tokens * (3 * forward + recompute))
+    flops = float(tokens * (forward + backward + recompute))
     b = 4 if candidate.precision is Precision.FP32 else 2
     ring = (ranks - 1) / ranks
     stage = candidate.zero_stage
     comm = comm_z3 = 0.0
     if stage in (ZeroStage.DISABLED, ZeroStage.OPTIMIZER):
-        comm = 2 * ring * psi * b
+        comm = 2 * ring * psi_tr * b
     elif stage is ZeroStage.GRADIENTS:
-        comm = ring * psi * b * (micro + 1)
+        comm = ring * psi_tr * b * (micro + 1)
     else:
-        comm_z3 = 3 * ring * psi * b * micro
-    partition = psi / ranks
+        comm_z3 = ring * (2 * psi + psi_tr) * b * micro
+    partition, trained = psi / ranks, psi_tr / ranks
     pcie = host = nvme = 0.0
     if candidate.offload_optimizer is not OffloadDevice.NONE:
-        pcie += 2 * partition * b
-        host = partition
+        pcie += 2 * trained * b
+        host = trained
         if candidate.offload_optimizer is OffloadDevice.NVME:
-            nvme += 2 * 12 * partition
+            nvme += 2 * 12 * trained
     if candidate.offload_param is not OffloadDevice.NONE:
         pcie += 2 * micro * partition * b
         if candidate.offload_param is OffloadDevice.NVME:

@@ -20,7 +20,7 @@ from optimizer.deepspeed.config import build_ds_config
 from optimizer.deepspeed.validate import InvalidDeepSpeedConfig, validate_with_deepspeed
 from optimizer.study.errors import UserError
 from optimizer.study.knobs import KNOB_NAMES, with_knobs
-from optimizer.study.specs import baseline_candidate
+from optimizer.study.specs import TransformerModel, baseline_candidate
 from optimizer.study.study_file import StudySpec
 
 HF_AUTO_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -66,6 +66,28 @@ def construction_advice(*, spec: StudySpec, knobs: dict[str, Any]) -> str:
     construction = spec.training.construction(candidate.zero_stage)
     return f"model construction ({construction}, training.model_init={spec.training.model_init}): " \
         f"{CONSTRUCTION_ADVICE[construction.value]}"
+
+
+def planned_setup(spec: StudySpec) -> str:
+    """What the exported config was planned and measured for — what trains and what runs beside it — for the
+    script to match: the memory holds for that setup only (a LoRA plan's config is not a full fine-tune's)."""
+    model = spec.model
+    parts: list[str] = []
+    if isinstance(model, TransformerModel):
+        if model.peft is not None:
+            fields = json.loads(model.peft)
+            shown = {k: fields[k] for k in ("r", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save",
+                                             "bias", "use_dora") if k in fields}
+            parts.append("PEFT LoRA " + ", ".join(f"{k}={v}" for k, v in shown.items())
+                         + " (peft.get_peft_model(model, LoraConfig(...)) before DeepSpeed; only the adapters train)")
+        if model.frozen:
+            parts.append(f"frozen parameters {', '.join(model.frozen)} (requires_grad off before DeepSpeed)")
+        if model.reference_model:
+            parts.append("a frozen reference model " + ("(the base with the adapters disabled, no copy)"
+                                                        if model.peft is not None else
+                                                        "(a copy at ZeRO stage 0 unless 3, no optimizer: TRL's "
+                                                        "prepare_deepspeed)"))
+    return "planned for: " + ("; ".join(parts) if parts else "a full fine-tune (every parameter trains)")
 
 
 def write_atomically(path: Path, text: str, *, force: bool) -> None:

@@ -55,13 +55,15 @@ def activation_table(value: Any) -> dict[str, int]:
 
 
 def parse_model(section: Section, *, sequence_length: int, study_dir: Path,
-                frozen: tuple[str, ...] = ()) -> ModelSpec:
-    """The ``model`` section; ``frozen`` is ``training.frozen`` (what of this model does not train)."""
+                frozen: tuple[str, ...] = (), reference_model: bool = False) -> ModelSpec:
+    """The ``model`` section; ``frozen`` is ``training.frozen`` (what of this model does not train),
+    ``reference_model`` is ``training.reference_model`` (a frozen copy held beside it)."""
     kind = section.get("kind", as_enum_str(("seed", "transformer")))
     peft = section.get("peft", lambda v: parse_peft(v, source=section.source, key=section.full_key("peft"),
                                                      study_dir=study_dir), None)
-    if kind == "seed" and (peft is not None or frozen):
-        key = section.full_key("peft") if peft is not None else "training.frozen"
+    if kind == "seed" and (peft is not None or frozen or reference_model):
+        key = (section.full_key("peft") if peft is not None else "training.frozen" if frozen
+               else "training.reference_model")
         raise UserError(source=section.source, key=key, why="a seed-mode model states its parameters as one "
                         "number: what trains needs a transformer model (hf_config, shape keys or an entry point)")
     try:
@@ -77,7 +79,7 @@ def parse_model(section: Section, *, sequence_length: int, study_dir: Path,
                 **hf_shape(section, study_dir=study_dir),
                 attention=section.get("attention", as_enum(AttentionKind), AttentionKind.EAGER),
                 activations=section.get("activations", as_enum(ActivationSource), ActivationSource.AUTO),
-                peft=peft, frozen=frozen,
+                peft=peft, frozen=frozen, reference_model=reference_model,
             )
         else:
             heads = section.get("heads", count_within(limits.MAX_WIDTH, "attention head count"))
@@ -99,7 +101,7 @@ def parse_model(section: Section, *, sequence_length: int, study_dir: Path,
                 max_positions=section.get("max_positions", POSITIONS, sequence_length),
                 entry_point=section.get("entry_point", as_entry_point, None),
                 activations=section.get("activations", as_enum(ActivationSource), ActivationSource.AUTO),
-                peft=peft, frozen=frozen,
+                peft=peft, frozen=frozen, reference_model=reference_model,
             )
     except ValueError as err:
         raise spec_error(section, err) from None

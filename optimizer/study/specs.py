@@ -158,6 +158,10 @@ class TransformerModel:
     frozen: tuple[str, ...] = ()
     """Glob patterns of parameter names that do not train (the study's ``training.frozen``), matched against the
     model's own names before any adapter is added (:func:`optimizer.study.peft_section.frozen_by`)."""
+    reference_model: bool = False
+    """A frozen reference copy runs beside the trained model (the study's ``training.reference_model``: DPO,
+    distillation), held as TRL's ``prepare_deepspeed`` holds it (docs/ledger.md, "A reference model"); with
+    ``peft`` the reference is the base with the adapters disabled, and no copy exists."""
     activations: ActivationSource = ActivationSource.FORMULA
     """Where the ledger's activation bytes come from."""
     traced_activations: tuple[TracedActivation, ...] = ()

@@ -39,6 +39,7 @@ from optimizer.study.cross_checks import check_positions
 from optimizer.study.errors import UserError
 from optimizer.study.fields import (
     Section,
+    as_bool,
     as_enum,
     as_fraction,
     as_positive_int,
@@ -90,9 +91,11 @@ class StudySpec:
         return self.path.parent / self.name
 
 
-def _parse_training(section: Section) -> tuple[TrainingSpec, tuple[str, ...]]:
-    """The training section, and ``training.frozen`` (kept on the model spec: it says what of the model trains)."""
+def _parse_training(section: Section) -> tuple[TrainingSpec, tuple[str, ...], bool]:
+    """The training section, ``training.frozen`` and ``training.reference_model`` (both kept on the model spec: they
+    say what of the model trains and what the ranks build beside it)."""
     frozen = section.get("frozen", parse_frozen, ())
+    reference = section.get("reference_model", as_bool, False)
     return built(section, lambda: TrainingSpec(
         global_batch_size=section.get("global_batch_size", count_within(limits.MAX_BATCH, "batch")),
         micro_batch_size=section.get("micro_batch_size", count_within(limits.MAX_BATCH, "batch")),
@@ -101,7 +104,7 @@ def _parse_training(section: Section) -> tuple[TrainingSpec, tuple[str, ...]]:
         learning_rate=section.get("learning_rate", as_fraction, 1e-3),
         weight_decay=section.get("weight_decay", as_fraction, 0.0),
         model_init=section.get("model_init", as_enum(ModelInit), ModelInit.AUTO),
-    )), frozen
+    )), frozen, reference
 
 
 def _tolerances(value: Any) -> tuple[tuple[Precision, float], ...]:
@@ -197,12 +200,14 @@ def load_study(path: str | Path) -> StudySpec:
     top = Section(raw if raw is not None else {}, source=source, key="")
     name = top.get("name", as_study_name, study_path.stem)
     top.get("description", as_text, "")
-    training, frozen = _parse_training(Section(top.get("training", lambda v: v), source=source, key="training"))
+    training, frozen, reference = _parse_training(Section(top.get("training", lambda v: v), source=source,
+                                                          key="training"))
     model = parse_model(
         Section(top.get("model", lambda v: v), source=source, key="model"),
         sequence_length=training.sequence_length,
         study_dir=study_path.parent,
         frozen=frozen,
+        reference_model=reference,
     )
     hardware = parse_hardware(Section(top.get("hardware", lambda v: v), source=source, key="hardware"))
     space = _parse_space_ref(top.get("search_space", lambda v: v), study_path=study_path)

@@ -38,6 +38,7 @@ def _dsopt(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     ("plain_deepspeed", "plain-deepspeed", 2),
     ("hf_trainer", "hf-trainer", 1),  # the Trainer runs DeepSpeed in one CPU process only (docs/trials.md)
     ("accelerate", "accelerate", 2),
+    ("peft_lora", "peft-lora", 1),  # HF Trainer + PEFT LoRA: the study's model.peft is the script's LoraConfig
 ])
 def test_an_example_is_tuned_and_its_export_trains_without_dsopt_as_measured(tmp_path, example, name, ranks):
     pytest.importorskip("transformers")
@@ -51,6 +52,8 @@ def test_an_example_is_tuned_and_its_export_trains_without_dsopt_as_measured(tmp
     export = _dsopt("export", str(study), "--pick", "fastest", "--out", str(out), cwd=tmp_path)
     assert export.returncode == 0, export.stdout + export.stderr
     line = re.search(r"train with it .*?: (.*)", export.stdout).group(1)
+    planned = re.search(r"planned for: (.*)", export.stdout).group(1)
+    assert ("PEFT LoRA r=8" in planned) is (example == "peft_lora"), planned
     assert str(out) in line and "{max_steps}" in line, line
     label = re.search(r"picked trial #\d+ \(fastest\): (.*)", export.stdout).group(1)
     measured = json.loads(next((study.parent / name / "trials").glob(label.replace(" ", "_") + "*/result.json"))
