@@ -70,3 +70,14 @@ def test_the_batch_a_forward_sees():
     assert batch_shape((ids,), {}) == (64, 4)
     assert batch_shape(({"input_ids": ids[:2]},), {}) == (32, 2)
     assert batch_shape((torch.zeros(4, 8),), {}) == (None, None)  # floating inputs: no tokens to count
+
+
+def test_why_a_script_ended_early_names_what_the_hook_saw():
+    from launchers.workloads.script_checks import ended_early
+
+    assert ended_early(engine_seen=False, frozen_engines=0, done=0, warmup=2, measured=3).startswith(
+        "the script never called deepspeed.initialize")
+    only_frozen = ended_early(engine_seen=False, frozen_engines=1, done=0, warmup=2, measured=3)
+    assert "1 DeepSpeed engine(s) without an optimizer" in only_frozen and "none that trains" in only_frozen
+    short = ended_early(engine_seen=True, frozen_engines=1, done=3, warmup=2, measured=3)
+    assert "ended after 3 optimizer step(s); the trial measures 5" in short and "{max_steps}" in short

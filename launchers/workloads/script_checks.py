@@ -79,3 +79,17 @@ def batch_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int | No
         if isinstance(value, torch.Tensor) and value.dim() >= 1 and not value.is_floating_point():
             return int(value.numel()), int(value.shape[0])
     return None, None
+
+
+def ended_early(*, engine_seen: bool, frozen_engines: int, done: int, warmup: int, measured: int) -> str:
+    """Why a script that ended on its own left the trial without figures: no engine (or only ``frozen_engines``
+    made without an optimizer, a reference model's), or fewer optimizer steps than warm-up + measured."""
+    if not engine_seen and frozen_engines:
+        return (f"the script made {frozen_engines} DeepSpeed engine(s) without an optimizer (a frozen model's) and "
+                "none that trains: the hook measures the one built with an optimizer from {ds_config}")
+    if not engine_seen:
+        return ("the script never called deepspeed.initialize: dsopt's hook saw no DeepSpeed engine (does the script "
+                "train with DeepSpeed — directly, through the HF Trainer or Accelerate — and pass it {ds_config}?)")
+    return (f"the script ended after {done} optimizer step(s); the trial measures {warmup + measured} (warm-up "
+            f"{warmup} + measured {measured}): let it run at least {{max_steps}} steps (a placeholder for the "
+            "script's step limit)")

@@ -16,7 +16,8 @@ What the hook does, in order:
   (accelerate/accelerator.py ``_prepare_deepspeed``: ``ds_initialize = deepspeed.initialize``). Its return ends the
   init phase (the init peaks are read there) and its engine is checked against the candidate: micro-batch,
   gradient accumulation, ZeRO stage, precision, optimizer and parameter offload (:func:`engine_mismatches`); a
-  difference is a trial error naming the knob — the script did not train with the candidate's config;
+  difference is a trial error naming the knob. An engine with no optimizer (``engine.py:560``) is a frozen model's
+  (DPO's reference, wrapped by TRL's ``prepare_deepspeed`` first): it is let pass, the next one is the candidate's;
 * wraps the engine's ``forward`` (the tokens and the batch it sees, the checkpoint calls), ``backward`` (the loss
   it is given) and ``step``: an optimizer step is a step that advanced ``engine.global_steps`` (engine.py:3558,
   overflow-skipped steps included, as DeepSpeed counts them). After each: the loss — per rank the sum of the
@@ -48,7 +49,13 @@ from types import ModuleType
 from typing import Any
 
 from launchers.workloads.after_import import AfterImport
-from launchers.workloads.script_checks import batch_shape, checkpointing_mismatch, engine_knobs, engine_mismatches
+from launchers.workloads.script_checks import (
+    batch_shape,
+    checkpointing_mismatch,
+    ended_early,
+    engine_knobs,
+    engine_mismatches,
+)
 from launchers.workloads.script_vars import ACTIVE_VAR, OUT_VAR, PLAN_VAR
 
 INIT_MARK = "dsopt.init"
@@ -65,6 +72,7 @@ class _State:
     device_memory: Any = None
     profiler: Any = None
     engine: Any = None
+    frozen_engines: int = 0  # made without an optimizer before the trained one: a reference (module doc)
     reported: bool = False
     init: dict[str, Any] = field(default_factory=dict)
     peaks: Any = None
@@ -156,7 +164,9 @@ def _patch_deepspeed(deepspeed: ModuleType) -> None:
     def initialize(*args: Any, **kwargs: Any) -> Any:
         result = real(*args, **kwargs)
         if _state is not None and _state.engine is None:
-            _on_engine(result[0])
+            _state.frozen_engines += getattr(result[0], "basic_optimizer", None) is None  # module doc
+            if getattr(result[0], "basic_optimizer", None) is not None:
+                _on_engine(result[0])
         return result
 
     initialize.__wrapped__ = real  # type: ignore[attr-defined]
@@ -401,14 +411,8 @@ def _at_exit() -> None:
     state = _state
     if state is None or state.reported:
         return
-    wanted_steps = state.plan["warmup_steps"] + state.plan["measured_steps"]
-    if state.engine is None:
-        why = ("the script never called deepspeed.initialize: dsopt's hook saw no DeepSpeed engine (does the script "
-               "train with DeepSpeed — directly, through the HF Trainer or Accelerate — and pass it {ds_config}?)")
-    else:
-        why = (f"the script ended after {state.done} optimizer step(s); the trial measures {wanted_steps} (warm-up "
-               f"{state.plan['warmup_steps']} + measured {state.plan['measured_steps']}): let it run at least "
-               "{max_steps} steps (a placeholder for the script's step limit)")
+    why = ended_early(engine_seen=state.engine is not None, frozen_engines=state.frozen_engines, done=state.done,
+                      warmup=state.plan["warmup_steps"], measured=state.plan["measured_steps"])
     try:
         _drop_profiler()
         _write(_report("crash", error_type="ScriptEnded", message=why))
