@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from launchers.cache_dir import cache_dir, source_digest
 from launchers.json_cache import KeyedJsonStore
+from launchers.workloads.four_bit import is_four_bit
 from launchers.workloads.trainable import TrainableSetupError
 from optimizer.deepspeed.versions import installed_version, installed_versions
 from optimizer.study.errors import UserError, error_summary
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 INVENTORY_CODE = ("launchers.inventory", "launchers.workloads.builtin", "launchers.workloads.construction",
-                  "launchers.workloads.hf_model", "launchers.workloads.trainable")
+                  "launchers.workloads.hf_model", "launchers.workloads.trainable", "launchers.workloads.four_bit")
 """dsopt's modules that build the model and read its parameters: their source is in the cache key."""
 
 
@@ -63,7 +64,7 @@ def inventory_of(model: nn.Module, *, source: str) -> ParameterInventory:
         first[key] = qualified
         tensors.append(InventoryTensor(name=qualified, module=module_name, module_type=module_type,
                                        shape=tuple(param.shape), dtype=str(param.dtype).removeprefix("torch."),
-                                       trainable=bool(param.requires_grad)))
+                                       trainable=bool(param.requires_grad), four_bit=is_four_bit(param)))
     tied = tuple(tuple(names) for names in groups.values() if len(names) > 1)
     return ParameterInventory(tensors=tuple(tensors), tied=tied, model_class=type(model).__name__, source=source)
 
@@ -165,7 +166,8 @@ def take_inventory(model_spec: dict[str, Any], *, sequence_length: int) -> Param
         raise
     except Exception as err:  # any failure of the build is reported and the ledger keeps the layout
         raise InventoryFailed(f"{type(err).__name__}: {error_summary(err)}") from None
-    adapted = [part for part, on in (("training.frozen", model_spec.get("frozen")),
+    adapted = [part for part, on in (("bitsandbytes 4-bit layers", model_spec.get("quantization")),
+                                     ("training.frozen", model_spec.get("frozen")),
                                      ("peft.get_peft_model", model_spec.get("peft"))) if on]
     how += "".join(f" + {part}" for part in adapted)
     if not model_spec.get("entry_point"):  # dsopt's loss wrapper around a transformers model

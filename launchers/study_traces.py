@@ -266,7 +266,7 @@ def needed_traces(study: StudySpec, *, candidates: Sequence[Candidate] | None = 
     ones use (an invalid candidate has no ledger); else every micro-batch of the space for each
     :func:`traceable_options` pair. The third part is true only for the ZeRO-3 candidates of a model that trains
     in part (:data:`optimizer.study.traced_activation.ZERO3_RUN`): a full fine-tune's table is as it was."""
-    adapted = isinstance(study.model, TransformerModel) and study.model.adapted
+    adapted = isinstance(study.model, TransformerModel) and study.model.zero3_traced_apart
     if candidates is None:
         micro_batches = traced_micro_batches(study)
         stages = {int(s) for s in dict(study.search_space.values).get("zero_stage", ())}

@@ -31,11 +31,14 @@ import torch
 from torch import nn
 
 from launchers.workloads.fake_kernels import grouped_mm_for_fake_tensors
+from launchers.workloads.four_bit import is_four_bit
 from launchers.workloads.reference import anchored, freeze_all, frozen_copy_spec, reference_forward
 from launchers.workloads.zero3_linear import deepspeed_linear
 from optimizer.deepspeed.zero3_gather import gathered
 from optimizer.deepspeed.zero_settings import gather_settings
+from optimizer.ledger.quantized import packed_elements
 from optimizer.study.knobs import Precision
+from optimizer.study.quantization_section import STORAGE_BYTES
 from optimizer.study.traced_activation import ZERO3_RUN
 
 DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
@@ -344,7 +347,11 @@ def _zero3_gathered(model: nn.Module, modules: list[nn.Module], events: list[tup
         return 0, 0  # the sizes dsopt sets come from the width
     index = {id(p): i for i, p in enumerate(model.parameters())}
     module_params = [[index[id(p)] for p in m.parameters(recurse=False) if id(p) in index] for m in modules]
-    numel = [p.numel() for p in model.parameters()]
+    quantization = model_spec.get("quantization") or {}
+    storage = STORAGE_BYTES[quantization.get("bnb_4bit_quant_storage", "uint8")]
+    # a 4-bit weight is gathered as its packed storage elements (optimizer.ledger.transformer.held_tensors)
+    numel = [packed_elements(p.numel(), storage_bytes=storage) if is_four_bit(p) else p.numel()
+             for p in model.parameters()]
     return gathered(events=events, module_params=module_params, param_numel=numel,
                     settings=gather_settings(int(model_spec["hidden_size"])))
 

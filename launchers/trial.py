@@ -68,10 +68,12 @@ def model_dict(model: TransformerModel) -> dict[str, Any]:
     out = {f.name: (str(v) if hasattr(v, "value") else v)
            for f in dataclasses.fields(model) if f.name not in NOT_THE_MODEL for v in [getattr(model, f.name)]}
     out["hf_config"] = json.loads(model.hf_config) if model.hf_config is not None else None
-    for name in ("peft", "frozen", "reference_model"):  # absent unless set: a full fine-tune's spec (and every
-        out.pop(name)                                   # cache key) as before
+    for name in ("peft", "frozen", "reference_model", "quantization"):  # absent unless set: a full fine-tune's
+        out.pop(name)                                                   # spec (and every cache key) as before
     if model.peft is not None:
         out["peft"] = json.loads(model.peft)
+    if model.quantization is not None:
+        out["quantization"] = json.loads(model.quantization)
     if model.frozen:
         out["frozen"] = list(model.frozen)
     if model.reference_model:

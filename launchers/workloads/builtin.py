@@ -245,8 +245,15 @@ def build_workload(*, model_spec: dict[str, Any], checkpointing: str, sequence_l
             model = build_model(model_spec, checkpointing=checkpointing, dtype=dtype)
     if entry_point:  # what trains, as a script adds it to the model it built (launchers/workloads/trainable.py)
         return apply_trainable(model, model_spec), batch_fn
-    model = apply_trainable(model, model_spec)
-    seeded_init_(model, seed=seed, std=init_std(model_spec))
+    if model_spec.get("quantization"):  # as from_pretrained(quantization_config=...) hands the base to the script:
+        from launchers.workloads.four_bit import quantize_  # the seeded weights quantized, then the adapters
+
+        seeded_init_(model, seed=seed, std=init_std(model_spec))
+        quantize_(model, model_spec["quantization"], device=device)
+        model = apply_trainable(model, model_spec)
+    else:
+        model = apply_trainable(model, model_spec)
+        seeded_init_(model, seed=seed, std=init_std(model_spec))
     zero_lora_b_(model, model_spec)
     data = SyntheticTokens(vocab_size=model_spec["vocab_size"], sequence_length=sequence_length, seed=seed)
     return model, data

@@ -127,7 +127,12 @@ def add_adapters(model: nn.Module, fields: dict[str, Any], *, as_deepspeed_casts
 def apply_trainable(model: nn.Module, model_spec: dict[str, Any], *, as_deepspeed_casts: bool = False) -> nn.Module:
     """``model`` as the study trains it: frozen by ``model_spec["frozen"]``, adapters by ``model_spec["peft"]``
     (:func:`launchers.trial.model_dict`; ``as_deepspeed_casts``: :func:`add_adapters`); a full fine-tune's model
-    comes back as it is."""
+    comes back as it is. A 4-bit base (``model_spec["quantization"]``) has its quantized layers frozen and tagged
+    first (:func:`launchers.workloads.four_bit.mark_four_bit`), as ``from_pretrained`` hands them to the script."""
+    if model_spec.get("quantization"):
+        from launchers.workloads.four_bit import mark_four_bit
+
+        mark_four_bit(model, model_spec["quantization"])
     if model_spec.get("frozen"):
         freeze(model, model_spec["frozen"])
     if model_spec.get("peft"):

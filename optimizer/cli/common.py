@@ -124,7 +124,8 @@ def inventory_json(study: StudySpec) -> dict[str, object] | None:
                                for t, n, e in inventory.by_module_type()],
             "tied": [list(group) for group in inventory.tied],
             "trainable": inventory.trainable_parameters, "frozen": inventory.frozen_parameters,
-            "trainable_tensors": sum(t.trainable for t in inventory.tensors)}
+            "trainable_tensors": sum(t.trainable for t in inventory.tensors),
+            "four_bit": inventory.four_bit_parameters, "four_bit_tensors": sum(t.four_bit for t in inventory.tensors)}
 
 def speed(study: StudySpec, candidate: Candidate) -> StepTime | str:
     if isinstance(study.model, SeedModel):

@@ -71,15 +71,22 @@ def parameter_location(offload_param: OffloadDevice) -> Location:
 
 def construction_moments(*, construction: Construction, precision: Precision, g: int, psi: int, q: int,
                          largest_module: int, param_place: Location,
-                         tied: int = 0) -> list[Moment]:
+                         tied: int = 0, four_bit: int = 0, four_bit_bytes: int = 0) -> list[Moment]:
     """The moments of building the model, before DeepSpeed sees it. ``tied``: elements of the tensors a tied
     weight's other modules hold until the tie replaces them
-    (:func:`optimizer.ledger.transformer.tied_copy_elements`)."""
+    (:func:`optimizer.ledger.transformer.tied_copy_elements`). ``four_bit`` elements of a QLoRA base held in
+    ``four_bit_bytes`` instead (transformers quantizes each weight as it loads it: ``quantizers/quantizer_bnb_4bit.py``
+    ``create_quantized_param``)."""
     if construction is Construction.FULL:
         return [[_item("model built in fp32 on the host", Category.PARAMS, Location.HOST, FP32 * psi, "4Ψ",
                        "a script that builds the model whole (training.model_init: full)"),
                  *_untied(FP32, tied, Location.HOST)]]
     if construction is Construction.DEVICE:
+        if four_bit:
+            return [[_item(f"whole model on the device: {precision} layers + 4-bit weights", Category.PARAMS,
+                           Location.GPU, g * (psi - four_bit) + four_bit_bytes, f"{g}(Ψ − Ψ₄) + 4-bit bytes",
+                           "transformers from_pretrained(quantization_config=...) (quantized as loaded)"),
+                     *_untied(g, tied, Location.GPU)]]
         return [[_item(f"whole model built on the device in {precision}", Category.PARAMS, Location.GPU, g * psi,
                        f"{g}Ψ", "training.model_init: device (torch.device + default dtype)"),
                  *_untied(g, tied, Location.GPU)]]
@@ -103,14 +110,16 @@ def _untied(element_bytes: int, tied: int, location: Location) -> list[LedgerIte
 def init_moments(*, candidate: Candidate, construction: Construction, psi: int, padded: int, p: int,
                  q: int, s: int, largest_tensor: int, largest_module: int, bucket: int,
                  device_bytes: int | None, tied: int = 0, trainable: int | None = None,
-                 q_trainable: int | None = None, largest_cast: int | None = None) -> list[Moment]:
+                 q_trainable: int | None = None, largest_cast: int | None = None, four_bit: int = 0,
+                 four_bit_bytes: int = 0) -> list[Moment]:
     """Every moment of the init phase of ``candidate`` built by ``construction`` (bytes per rank).
 
     ``device_bytes``: the device memory DeepSpeed may use (capacity − reserve), for its "is there room to
     flatten on the device" test at stages 1–2; None on CPU ranks, where the test reads free host RAM.
     Where part of the model is frozen: ``trainable`` (Ψtr; ``padded``, ``p`` and ``s`` are then over the trainable
     tensors, ``largest_tensor`` the largest trainable one), ``q_trainable`` (Qtr) and ``largest_cast`` (the largest
-    tensor of all, cast one by one); each defaults to the full fine-tune's figure."""
+    tensor of all, cast one by one); each defaults to the full fine-tune's figure. A QLoRA base: ``four_bit``
+    elements of the frozen ones are 4-bit weights held in ``four_bit_bytes`` (packed + statistics), never cast."""
     t = psi if trainable is None else trainable
     qt = q if q_trainable is None else q_trainable
     cast = largest_tensor if largest_cast is None else largest_cast
@@ -122,7 +131,10 @@ def init_moments(*, candidate: Candidate, construction: Construction, psi: int, 
     param_place = parameter_location(candidate.offload_param)
     moments = construction_moments(construction=construction, precision=precision, g=g, psi=psi, q=q,
                                    largest_module=largest_module,
-                                   param_place=param_place, tied=tied)
+                                   param_place=param_place, tied=tied, four_bit=four_bit,
+                                   four_bit_bytes=four_bit_bytes)
+    frozen_bytes = g * (psi - t - four_bit) + four_bit_bytes
+    frozen_formula = f"{g}(Ψ − Ψtr − Ψ₄) + 4-bit bytes" if four_bit else f"{g}(Ψ − Ψtr)"
     if construction is Construction.FULL:  # deepspeed.initialize casts parameter by parameter, then moves them
         fp32_model = _item("model built in fp32 on the host", Category.PARAMS, Location.HOST, FP32 * psi, "4Ψ",
                            "a script that builds the model whole (training.model_init: full)")
@@ -134,8 +146,8 @@ def init_moments(*, candidate: Candidate, construction: Construction, psi: int, 
                               g * psi, f"{g}Ψ", f"{DS} engine.py:2092-2094")])
     if stage is ZeroStage.DISABLED:
         if precision is not Precision.FP32:
-            frozen = [_item(f"frozen {precision} parameters", Category.PARAMS, Location.GPU, g * (psi - t),
-                            f"{g}(Ψ − Ψtr)", f"{DS} engine.py:1851-1862 (the whole module cast)")] if t < psi else []
+            frozen = [_item(f"frozen {precision} parameters", Category.PARAMS, Location.GPU, frozen_bytes,
+                            frozen_formula, f"{DS} engine.py:1851-1862 (the whole module cast)")] if t < psi else []
             moments.append([
                 _item(f"{precision} parameters (flat)", Category.PARAMS, Location.GPU, g * t, f"{g}{sym}",
                       f"{DS} runtime/fp16/fused_optimizer.py:93-98"),
@@ -150,10 +162,10 @@ def init_moments(*, candidate: Candidate, construction: Construction, psi: int, 
         return moments
     if stage in (ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS):
         src = f"{DS} runtime/zero/stage_1_and_2.py"
-        room = device_bytes is None or device_bytes - g * psi >= g * padded  # :441-451, available_memory()
+        room = device_bytes is None or device_bytes - frozen_bytes - g * t >= g * padded  # :441-451
         where = Location.GPU if room else Location.HOST
         frozen = [_item(f"frozen {precision} parameters (whole on every rank)", Category.PARAMS, Location.GPU,
-                        g * (psi - t), f"{g}(Ψ − Ψtr)", f"{src}:428-434; {DS} engine.py:2093")] if t < psi else []
+                        frozen_bytes, frozen_formula, f"{src}:428-434; {DS} engine.py:2093")] if t < psi else []
         moments.append([
             _item(f"{precision} parameters as built{'' if room else ', moved to the host'}", Category.PARAMS,
                   where, g * t, f"{g}{sym}", f"{src}:438-460"),
@@ -181,7 +193,8 @@ def init_moments(*, candidate: Candidate, construction: Construction, psi: int, 
     if construction is not Construction.ZERO_INIT:
         moments.append([
             _item(f"whole {precision} model on the device while it is partitioned", Category.PARAMS, Location.GPU,
-                  g * psi, f"{g}Ψ", f"{DS} partition_parameters.py:1193-1207 (Init(module=model))"),
+                  g * (psi - four_bit) + four_bit_bytes, f"{g}(Ψ − Ψ₄) + 4-bit bytes" if four_bit else f"{g}Ψ",
+                  f"{DS} partition_parameters.py:1193-1207 (Init(module=model))"),
             _item(f"{precision} partition of one tensor", Category.PARAMS, param_place, g * cast,
                   f"{g}Lₜ", f"{DS} partition_parameters.py:1836"),
         ])

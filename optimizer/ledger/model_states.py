@@ -38,6 +38,7 @@ from dataclasses import replace
 
 from optimizer.deepspeed.zero_settings import ZeroSettings, zero_settings
 from optimizer.ledger.activations import activation_items, joint_trace, usable_trace
+from optimizer.ledger.four_bit_items import dequantized_items, held_items
 from optimizer.ledger.init_phase import construction_moments, init_items, init_moments, moment_bytes, parameter_location
 from optimizer.ledger.items import Category, LedgerItem, Location, Phase
 from optimizer.ledger.reference import reference_items
@@ -72,7 +73,8 @@ def _stage0(z: _Sizes, precision: Precision, *, joined: bool, gloo: bool) -> lis
                    f"{DS} engine.py (autograd)", phase) for phase in ((Phase.REDUCE, Phase.STEP) if joined
                                                                       else (Phase.ALWAYS,))]
     items = [
-        _item(f"{precision} parameters", Category.PARAMS, Location.GPU, g * psi, f"{g}Ψ", f"{DS} engine.py"),
+        _item(f"{precision} parameters", Category.PARAMS, Location.GPU, g * (psi - z.four_bit),
+              f"{g}(Ψ − Ψ₄)" if z.four_bit else f"{g}Ψ", f"{DS} engine.py"),
         *grads,
         _item("Adam exp_avg + exp_avg_sq (fp32)", Category.OPTIMIZER, Location.GPU, ADAM_STATE_BYTES * t, f"8{sym}",
               "ZeRO paper §3; fused_adam.py:153-157"),
@@ -113,9 +115,11 @@ def _stage12(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, joined:
               Location.GPU, buckets * g * z.bucket, f"{buckets}·{g}·B", f"{STAGE12}:3266-3278",
               Phase.ALWAYS if stage1 else Phase.BACKWARD),
     ]
-    if z.frozen:  # not in the flat group (:428-434): left in the module, cast and moved with it, whole on every rank
+    if z.frozen > z.four_bit:  # not in the flat group (:428-434): left in the module, cast and moved with it,
+        # whole on every rank (a QLoRA base's 4-bit weights: optimizer/ledger/four_bit_items.py)
         items.append(_item(f"frozen {prec} parameters (whole on every rank)", Category.PARAMS, Location.GPU,
-                           g * z.frozen, f"{g}(Ψ − Ψtr)", f"{STAGE12}:428-434; {DS} engine.py:1851-1862, 2093"))
+                           g * (z.frozen - z.four_bit), f"{g}(Ψ − Ψtr − Ψ₄)" if z.four_bit else f"{g}(Ψ − Ψtr)",
+                           f"{STAGE12}:428-434; {DS} engine.py:1851-1862, 2093"))
     if gloo:
         # all_gather_dp_groups (runtime/utils.py) into the flat parameters: over gloo the profiled ranks allocated
         # a tensor of the whole flat group under c10d::_allgather_base_ (benchmarks/peak_attribution.py).
@@ -194,7 +198,7 @@ def construction_bytes(*, candidate: Candidate, model: TransformerModel, hardwar
     moments = construction_moments(
         construction=training.construction(candidate.zero_stage), precision=candidate.precision, g=z.g, psi=z.psi,
         q=z.q, largest_module=z.largest_module, tied=z.tied,
-        param_place=parameter_location(candidate.offload_param))
+        param_place=parameter_location(candidate.offload_param), four_bit=z.four_bit, four_bit_bytes=z.four_bit_bytes)
     device_is_host = hardware.accelerator is Accelerator.CPU
     return max(moment_bytes(m, device_is_host=device_is_host) for m in moments)
 
@@ -224,6 +228,8 @@ def transformer_items(
         items = _stage12(z, candidate, settings, joined=joined, split=split,
                          gloo=hardware.accelerator is Accelerator.CPU)
 
+    items += held_items(z, candidate)
+    items += dequantized_items(model, candidate, split=split)
     items += reference_items(z, candidate, settings, model)
     items += activation_items(model=model, candidate=candidate, sequence_length=training.sequence_length,
                               element_bytes=z.g, joined=joined, split=split)
@@ -231,6 +237,7 @@ def transformer_items(
                            padded=z.padded, p=z.p, q=z.q, s=z.s, largest_tensor=z.largest_tensor,
                            largest_module=z.largest_module, tied=z.tied, bucket=z.bucket, trainable=z.trainable,
                            q_trainable=z.q_trainable, largest_cast=largest_tensor_parameters(model),
+                           four_bit=z.four_bit, four_bit_bytes=z.four_bit_bytes,
                            device_bytes=None if hardware.accelerator is Accelerator.CPU
                            else hardware.gpu_memory_bytes - hardware.device_reserve_bytes)
     items += init_items(moments, device_is_host=hardware.accelerator is Accelerator.CPU)

@@ -7,8 +7,9 @@ and the 16-entry fp32 codebook of the quant type (``get_4bit_type``, a tensor of
 ``compress_statistics`` (``bnb_4bit_use_double_quant``) the absmax are quantized again, blockwise by 256
 (``quantize_blockwise``): one byte each, plus their own fp32 absmax per 256, a 256-entry fp32 codebook and one fp32
 offset. Per element: 0.5 + 4/64 = 0.5625 bytes without double quantization, ≈ 0.516 with it (the QLoRA paper's
-0.127 bits per parameter of constants, Dettmers et al. 2023 §3). Not yet planned by a study (``model.quantization``,
-issue 36): checked against real ``Params4bit`` quantizations by ``tests/test_quantized_bytes.py``.
+0.127 bits per parameter of constants, Dettmers et al. 2023 §3). Planned where a study has ``model.quantization``
+(:mod:`optimizer.study.quantization_section`); checked against real ``Params4bit`` quantizations by
+``tests/test_quantized_bytes.py``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ class FourBitBytes:
     def total(self) -> int:
         """Everything the weight holds on its device."""
         return self.packed + self.statistics
+
+
+def packed_elements(elements: int, *, storage_bytes: int) -> int:
+    """Elements of the ``Params4bit`` tensor itself: ⌈n/2⌉ packed bytes viewed as ``storage_bytes``-byte elements
+    (rounded up where bitsandbytes would refuse the view: a plan never crashes on an odd shape)."""
+    packed = -(-elements // 2)
+    return -(-packed // storage_bytes)
 
 
 def four_bit_bytes(elements: int, *, blocksize: int = 64, double_quant: bool = False,

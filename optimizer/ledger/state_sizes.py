@@ -9,6 +9,7 @@ from optimizer.deepspeed.versions import LEDGER_DEEPSPEED_VERSION
 from optimizer.deepspeed.zero_settings import ZeroSettings
 from optimizer.ledger.items import Category, LedgerItem, Location, Phase
 from optimizer.ledger.transformer import (
+    four_bit_weights,
     largest_layer_parameters,
     largest_tensor_parameters,
     parameter_count,
@@ -61,6 +62,12 @@ class _Sizes:
     """Qtr (default Q)."""
     largest_module_grad: int = -1
     """LLtr (default LL)."""
+    four_bit: int = 0
+    """Ψ₄: elements of a QLoRA base's 4-bit weights (part of Ψ − Ψtr; 0 without ``model.quantization``)."""
+    four_bit_bytes: int = 0
+    """Their bytes whole: packed weights + quantization statistics."""
+    four_bit_statistics: int = 0
+    """The statistics alone (absmax, codebooks): not parameters, never partitioned."""
 
     def __post_init__(self) -> None:
         for name, full in (("trainable", self.psi), ("q_trainable", self.q), ("largest_module_grad",
@@ -99,6 +106,7 @@ def _sizes(*, model: TransformerModel, candidate: Candidate, hardware: HardwareS
     flat = zero12_partition(model, ranks=n)
     q = zero3_partition_elements(model, ranks=n)
     q_trainable = zero3_partition_elements(model, ranks=n, trainable_only=True)
+    four_bit = four_bit_weights(model)
     return _Sizes(
         psi=psi, trainable=trainable, n=n, g=candidate.precision.bytes_per_element, padded=padded, p=p,
         sigma=flat.held, piece=flat.largest_piece, q=q, q_trainable=q_trainable,
@@ -108,6 +116,8 @@ def _sizes(*, model: TransformerModel, candidate: Candidate, hardware: HardwareS
         largest_module_grad=largest_layer_parameters(model, trainable_only=True),
         tied=tied_copy_elements(model), bucket=settings.reduce_bucket_elements,
         gas=gradient_accumulation_steps(candidate=candidate, hardware=hardware, training=training),
+        four_bit=four_bit.elements, four_bit_bytes=four_bit.held_bytes,
+        four_bit_statistics=four_bit.statistics_bytes,
     )
 
 

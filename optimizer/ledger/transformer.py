@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from optimizer.ledger.quantized import four_bit_bytes, packed_elements
 from optimizer.study.knobs import (
     Checkpointing,
     EveryKCheckpointing,
@@ -24,6 +25,7 @@ from optimizer.study.knobs import (
     NoCheckpointing,
     SelectiveCheckpointing,
 )
+from optimizer.study.quantization_section import FourBitBase
 from optimizer.study.specs import AttentionKind, MlpKind, NormKind, PositionKind, TransformerModel
 
 MASK_BYTES = 1
@@ -43,6 +45,8 @@ class ParameterTensor:
     """Elements."""
     trainable: bool = True
     """It trains: DeepSpeed makes its gradient, master copy and optimizer states (the inventory's flag)."""
+    four_bit: bool = False
+    """A 4-bit weight of a QLoRA base (the inventory's flag; never trainable)."""
 
 
 @lru_cache(maxsize=64)
@@ -57,7 +61,7 @@ def parameter_tensors(model: TransformerModel) -> tuple[ParameterTensor, ...]:
     an untied LM head adds V·h.
     """
     if model.inventory is not None:  # the model as its code builds it (optimizer/study/inventory.py)
-        return tuple(ParameterTensor(module=t.module, numel=t.numel, trainable=t.trainable)
+        return tuple(ParameterTensor(module=t.module, numel=t.numel, trainable=t.trainable, four_bit=t.four_bit)
                      for t in model.inventory.tensors)
     return layout_tensors(model)
 
@@ -109,11 +113,58 @@ def layout_tensors(model: TransformerModel) -> tuple[ParameterTensor, ...]:
 
 
 @lru_cache(maxsize=64)
+def held_tensors(model: TransformerModel) -> tuple[ParameterTensor, ...]:
+    """:func:`parameter_tensors` as DeepSpeed's ZeRO-3 sees them: a 4-bit weight is a ``Params4bit`` of ⌈n/2⌉
+    packed bytes viewed as ``bnb_4bit_quant_storage`` elements (``bitsandbytes/backends/default/ops.py``
+    ``quantize_4bit``), which ZeRO-3 partitions, gathers and keeps persistent like any parameter — of the training
+    dtype, as a ZeRO-3 candidate of a QLoRA study must store them (:mod:`optimizer.study.quantization_section`).
+    The same tensors as :func:`parameter_tensors` without ``model.quantization``."""
+    tensors = parameter_tensors(model)
+    if model.quantization is None:
+        return tensors
+    storage = FourBitBase.from_json(model.quantization).storage_bytes
+    return tuple(ParameterTensor(module=t.module, numel=packed_elements(t.numel, storage_bytes=storage),
+                                 trainable=False) if t.four_bit else t for t in tensors)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FourBitWeights:
+    """The 4-bit weights of a QLoRA base (all zero without ``model.quantization``)."""
+
+    elements: int
+    """Ψ₄: their elements (the weights' own count, two per packed byte)."""
+    held_bytes: int
+    """Their bytes whole: packed weights + quantization statistics (:func:`optimizer.ledger.quantized.four_bit_bytes`
+    per tensor)."""
+    statistics_bytes: int
+    """The statistics alone (absmax, codebooks): not parameters, so never partitioned by ZeRO-3."""
+    largest: int
+    """Elements of the largest 4-bit weight (the one dequantized for its matmul at the peak)."""
+    largest_blocks: int
+    """Its absmax blocks (nested quantization dequantizes them to fp32 for the matmul)."""
+
+
+@lru_cache(maxsize=64)
+def four_bit_weights(model: TransformerModel) -> FourBitWeights:
+    """:class:`FourBitWeights` of ``model``'s inventory under its ``model.quantization``."""
+    if model.quantization is None:
+        return FourBitWeights(elements=0, held_bytes=0, statistics_bytes=0, largest=0, largest_blocks=0)
+    base = FourBitBase.from_json(model.quantization)
+    sizes = [t.numel for t in parameter_tensors(model) if t.four_bit]
+    parts = [four_bit_bytes(n, blocksize=base.blocksize, double_quant=base.double_quant, storage_bytes=1)
+             for n in sizes]
+    largest = max(sizes, default=0)
+    return FourBitWeights(elements=sum(sizes), held_bytes=sum(p.total for p in parts),
+                          statistics_bytes=sum(p.statistics for p in parts), largest=largest,
+                          largest_blocks=-(-largest // base.blocksize))
+
+
+@lru_cache(maxsize=64)
 def zero3_partition_elements(model: TransformerModel, *, ranks: int, trainable_only: bool = False) -> int:
     """Q = Σₚ ⌈nₚ/N⌉: ZeRO-3 pads every tensor to a multiple of N (``partition_parameters.py:1690-1696``) and
-    partitions frozen ones too; ``trainable_only``: Qₜ, over the tensors that train (the gradient, master and
-    optimizer partitions)."""
-    tensors = trainable_tensors(model) if trainable_only else parameter_tensors(model)
+    partitions frozen ones too (4-bit weights as their packed storage elements, :func:`held_tensors`);
+    ``trainable_only``: Qₜ, over the tensors that train (the gradient, master and optimizer partitions)."""
+    tensors = trainable_tensors(model) if trainable_only else held_tensors(model)
     return sum(-(-t.numel // ranks) for t in tensors)
 
 
@@ -133,7 +184,7 @@ def largest_layer_parameters(model: TransformerModel, *, trainable_only: bool = 
     trainable elements one module owns — the full gradient of the module at hand before its reduce-scatter.
     """
     per_module: dict[str, int] = {}
-    for tensor in trainable_tensors(model) if trainable_only else parameter_tensors(model):
+    for tensor in trainable_tensors(model) if trainable_only else held_tensors(model):
         per_module[tensor.module] = per_module.get(tensor.module, 0) + tensor.numel
     return max(per_module.values(), default=0)
 
@@ -209,8 +260,8 @@ def zero12_partition(model: TransformerModel, *, ranks: int) -> FlatPartition:
 @lru_cache(maxsize=64)
 def persistent_parameters(model: TransformerModel, *, threshold: int) -> int:
     """Elements ZeRO-3 never partitions: tensors with numel ≤ ``stage3_param_persistence_threshold``
-    (``runtime/zero/parameter_offload.py``, ``ds_persist``)."""
-    return sum(t.numel for t in parameter_tensors(model) if t.numel <= threshold)
+    (``runtime/zero/parameter_offload.py``, ``ds_persist``); 4-bit weights as their packed storage elements."""
+    return sum(t.numel for t in held_tensors(model) if t.numel <= threshold)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -13,6 +13,9 @@ and ``runtime/zero/config.py``):
   accumulation is derived: ``global = micro × accumulation × ranks``;
 * ``training.model_init: zero_init`` needs stage 3: ``deepspeed.zero.Init`` partitions the parameters as the
   model is built (``partition_parameters.py:1232-1262``), and only the stage-3 optimizer trains such a model;
+* a 4-bit base (``model.quantization``) must be stored as the training dtype at ZeRO-3, which partitions its packed
+  weights, and as uint8 or the training dtype below (DeepSpeed casts floating parameters,
+  :meth:`optimizer.study.quantization_section.FourBitBase.storage_problem`);
 * a checkpointing option must make sense for the model: ``every_K`` needs K ≤ layers, and a
   seed-mode study must state an activation figure for the option.
 
@@ -22,6 +25,7 @@ Nothing here fixes a candidate: it returns reasons, and the caller reports them.
 from __future__ import annotations
 
 from optimizer.study.knobs import Candidate, EveryKCheckpointing, OffloadDevice, SelectiveCheckpointing, ZeroStage
+from optimizer.study.quantization_section import FourBitBase
 from optimizer.study.specs import HardwareSpec, ModelInit, ModelSpec, SeedModel, TrainingSpec, TransformerModel
 
 
@@ -62,6 +66,11 @@ def invalid_reasons(
     if isinstance(model, TransformerModel) and model.hf_config is not None and isinstance(ckpt, SelectiveCheckpointing):
         reasons.append("checkpointing=selective: a transformers model recomputes whole layers only "
                        "(activation_checkpointing_enable); use full or every_K")
+    if isinstance(model, TransformerModel) and model.quantization is not None:
+        problem = FourBitBase.from_json(model.quantization).storage_problem(
+            zero3=stage is ZeroStage.PARAMETERS, training_dtype=candidate.precision.torch_dtype_name)
+        if problem:
+            reasons.append(problem)
     if isinstance(model, SeedModel) and model.activation_bytes_for(ckpt) is None:
         stated = ", ".join(sorted(model.activation_bytes))
         reasons.append(f"the study states no activation figure for checkpointing={ckpt} (stated: {stated})")

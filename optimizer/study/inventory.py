@@ -47,6 +47,9 @@ class InventoryTensor:
     """Its dtype as built (``float32`` on the meta device unless the code asks for another)."""
     trainable: bool = True
     """It trains (``requires_grad``): gradients, master weights and optimizer states exist for it."""
+    four_bit: bool = False
+    """A weight transformers' bitsandbytes quantizer holds at 4 bits (``model.quantization``): frozen, its bytes
+    those of :func:`optimizer.ledger.quantized.four_bit_bytes`."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
@@ -100,6 +103,11 @@ class ParameterInventory:
         return sum(t.numel for t in self.tensors if t.trainable)
 
     @property
+    def four_bit_parameters(self) -> int:
+        """Elements of the weights held at 4 bits (0 without ``model.quantization``)."""
+        return sum(t.numel for t in self.tensors if t.four_bit)
+
+    @property
     def frozen_parameters(self) -> int:
         """Ψ − Ψₜ: elements of the tensors that do not train."""
         return self.parameters - self.trainable_parameters
@@ -138,6 +146,10 @@ class ParameterInventory:
         if trainable != psi:
             lines.append(f"  trainable Ψₜ = {trainable:,} ({trainable / psi:.3%}) in "
                          f"{sum(t.trainable for t in self.tensors):,} tensors; frozen {psi - trainable:,}")
+        four_bit = self.four_bit_parameters
+        if four_bit:
+            lines.append(f"  4-bit (QLoRA base) {four_bit:,} ({four_bit / psi:.3%}) in "
+                         f"{sum(t.four_bit for t in self.tensors):,} tensors")
         lines.extend(f"  tied: {' = '.join(group)}" for group in self.tied)
         if not self.tied:
             lines.append("  tied: none")
@@ -147,16 +159,16 @@ class ParameterInventory:
         """A JSON-ready dict (the inventory cache's entry)."""
         return {"format": INVENTORY_FORMAT, "model_class": self.model_class, "source": self.source,
                 "tied": [list(group) for group in self.tied],
-                "tensors": [[t.name, t.module, t.module_type, list(t.shape), t.dtype, t.trainable]
-                            for t in self.tensors]}
+                "tensors": [[t.name, t.module, t.module_type, list(t.shape), t.dtype, t.trainable,
+                             *([True] if t.four_bit else [])] for t in self.tensors]}
 
     @staticmethod
     def from_json(data: Mapping[str, Any]) -> ParameterInventory:
         """The inventory of :meth:`to_json`'s dict (ValueError when it is not one of this format)."""
         if data.get("format") != INVENTORY_FORMAT:
             raise ValueError(f"inventory format {data.get('format')!r}, expected {INVENTORY_FORMAT}")
-        tensors = tuple(InventoryTensor(name=n, module=m, module_type=t, shape=tuple(s), dtype=d, trainable=bool(r))
-                        for n, m, t, s, d, r in data["tensors"])
+        tensors = tuple(InventoryTensor(name=n, module=m, module_type=t, shape=tuple(s), dtype=d, trainable=bool(r),
+                                        four_bit=bool(q and q[0])) for n, m, t, s, d, r, *q in data["tensors"])
         return ParameterInventory(tensors=tensors, tied=tuple(tuple(g) for g in data.get("tied", ())),
                                   model_class=str(data.get("model_class", "")), source=str(data.get("source", "")))
 

@@ -48,6 +48,11 @@ class Precision(StrEnum):
         """Bytes of one parameter, gradient or activation element in this precision."""
         return 4 if self is Precision.FP32 else 2
 
+    @property
+    def torch_dtype_name(self) -> str:
+        """The training dtype's name in torch (``float32``, ``bfloat16``, ``float16``)."""
+        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.value]
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NoCheckpointing:

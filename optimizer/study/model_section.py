@@ -25,6 +25,7 @@ from optimizer.study.fields import (
 from optimizer.study.hf_config import HfConfigError, canonical_json, shape_from_hf_config
 from optimizer.study.knobs import Precision, parse_checkpointing
 from optimizer.study.peft_section import parse_peft
+from optimizer.study.quantization_section import parse_quantization
 from optimizer.study.specs import (
     ActivationSource,
     AttentionKind,
@@ -61,9 +62,15 @@ def parse_model(section: Section, *, sequence_length: int, study_dir: Path,
     kind = section.get("kind", as_enum_str(("seed", "transformer")))
     peft = section.get("peft", lambda v: parse_peft(v, source=section.source, key=section.full_key("peft"),
                                                      study_dir=study_dir), None)
-    if kind == "seed" and (peft is not None or frozen or reference_model):
+    quantization = section.get("quantization", lambda v: parse_quantization(
+        v, source=section.source, key=section.full_key("quantization")), None)
+    if quantization is not None and "hf_config" not in section.raw:
+        raise UserError(source=section.source, key=section.full_key("quantization"), why="a 4-bit base is what "
+                        "transformers' bitsandbytes quantizer makes of a transformers model: give the model as "
+                        "hf_config (a config.json)")
+    if kind == "seed" and (peft is not None or frozen or reference_model or quantization is not None):
         key = (section.full_key("peft") if peft is not None else "training.frozen" if frozen
-               else "training.reference_model")
+               else section.full_key("quantization") if quantization is not None else "training.reference_model")
         raise UserError(source=section.source, key=key, why="a seed-mode model states its parameters as one "
                         "number: what trains needs a transformer model (hf_config, shape keys or an entry point)")
     try:
@@ -79,7 +86,7 @@ def parse_model(section: Section, *, sequence_length: int, study_dir: Path,
                 **hf_shape(section, study_dir=study_dir),
                 attention=section.get("attention", as_enum(AttentionKind), AttentionKind.EAGER),
                 activations=section.get("activations", as_enum(ActivationSource), ActivationSource.AUTO),
-                peft=peft, frozen=frozen, reference_model=reference_model,
+                peft=peft, frozen=frozen, reference_model=reference_model, quantization=quantization,
             )
         else:
             heads = section.get("heads", count_within(limits.MAX_WIDTH, "attention head count"))

@@ -155,6 +155,10 @@ class TransformerModel:
     """A PEFT LoRA setup as canonical JSON of ``LoraConfig`` fields (the study's ``model.peft``,
     :mod:`optimizer.study.peft_section`): the ranks, traces and the inventory apply ``peft.get_peft_model`` with it,
     and only the adapters (and ``modules_to_save``, and biases as ``bias`` says) train."""
+    quantization: str | None = None
+    """A 4-bit base (QLoRA) as canonical JSON of ``BitsAndBytesConfig`` fields (the study's ``model.quantization``,
+    :mod:`optimizer.study.quantization_section`): transformers' bitsandbytes quantizer turns the Linear layers it
+    converts into frozen 4-bit weights; the inventory marks them, the ledger holds them at 4 bits."""
     frozen: tuple[str, ...] = ()
     """Glob patterns of parameter names that do not train (the study's ``training.frozen``), matched against the
     model's own names before any adapter is added (:func:`optimizer.study.peft_section.frozen_by`)."""
@@ -199,8 +203,17 @@ class TransformerModel:
 
     @property
     def adapted(self) -> bool:
-        """Part of the model does not train: PEFT adapters on a frozen base, or frozen parameters."""
-        return self.peft is not None or bool(self.frozen)
+        """Part of the model does not train: PEFT adapters on a frozen base, frozen parameters, or a 4-bit base
+        (its quantized weights never train)."""
+        return self.peft is not None or bool(self.frozen) or self.quantization is not None
+
+    @property
+    def zero3_traced_apart(self) -> bool:
+        """Its ZeRO-3 candidates are traced as a model built under ``deepspeed.zero.Init`` (``F.linear`` left
+        wrapped, adapters kept fp32: :data:`optimizer.study.traced_activation.ZERO3_RUN`): part of it is frozen and
+        it is not quantized — transformers builds a quantized model without ``zero.Init`` (``modeling_utils.py:1435``),
+        so a QLoRA base's ZeRO-3 run holds its layers as the stages below do."""
+        return self.adapted and self.quantization is None
 
     @property
     def head_dim(self) -> int:
@@ -219,7 +232,7 @@ class TransformerModel:
         (``TracedActivation.zero3_run``) where the table has one."""
         matches = [t for t in self.traced_activations
                    if t.checkpointing == str(checkpointing) and t.precision is precision]
-        want = zero3 and self.adapted
+        want = zero3 and self.zero3_traced_apart
         return next((t for t in matches if t.zero3_run is want), matches[0] if matches else None)
 
 

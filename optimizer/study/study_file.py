@@ -22,7 +22,7 @@ with ``yaml.safe_load`` (:mod:`optimizer.study.yaml_file`, which also refuses re
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +52,18 @@ from optimizer.study.hardware_section import parse_hardware
 from optimizer.study.knobs import Precision
 from optimizer.study.model_section import parse_model
 from optimizer.study.peft_section import parse_frozen
+from optimizer.study.quantization_section import FourBitBase
 from optimizer.study.script_command import ScriptCommand, uncovered_knobs
 from optimizer.study.search_space import SearchSpace, parse_search_space
-from optimizer.study.specs import HardwareSpec, ModelInit, ModelSpec, Optimizer, SeedModel, TrainingSpec
+from optimizer.study.specs import (
+    HardwareSpec,
+    ModelInit,
+    ModelSpec,
+    Optimizer,
+    SeedModel,
+    TrainingSpec,
+    TransformerModel,
+)
 from optimizer.study.trial_settings import TrialSettings
 from optimizer.study.units import parse_count
 from optimizer.study.yaml_file import read_yaml
@@ -192,6 +201,30 @@ def _check_script(command: ScriptCommand, *, space: SearchSpace, study_path: Pat
                         f"{(study_path.parent / script).resolve()}; the command runs in the study file's folder)")
 
 
+def _four_bit_training(model: TransformerModel, training: TrainingSpec, *, space: SearchSpace,
+                       source: str) -> TrainingSpec:
+    """A QLoRA study's training spec, checked. transformers enters no ``deepspeed.zero.Init`` for a quantized
+    model (``modeling_utils.py:1435``, ``needs_zero3_init = ... and not _is_quantized``): the 4-bit model arrives
+    whole on every rank and ZeRO-3 partitions it in ``deepspeed.initialize`` — ``model_init: auto`` means
+    ``device`` here, and ``zero_init`` is refused. A search space none of whose (stage, precision) pairs can hold
+    the 4-bit weights' storage dtype is refused too (single candidates: :func:`optimizer.study.constraints`)."""
+    base = FourBitBase.from_json(model.quantization or "")
+    if training.model_init is ModelInit.ZERO_INIT:
+        raise UserError(source=source, key="training.model_init", why="transformers builds a quantized model "
+                        "without deepspeed.zero.Init (modeling_utils.py:1435): use model_init auto or device")
+    values = dict(space.values)
+    pairs = [(int(stage), Precision(precision)) for stage in values.get("zero_stage", (0,))
+             for precision in values.get("precision", (Precision.FP32,))]
+    problems = [base.storage_problem(zero3=stage == 3, training_dtype=precision.torch_dtype_name)
+                for stage, precision in pairs]
+    if all(problems):
+        raise UserError(source=source, key="model.quantization.bnb_4bit_quant_storage",
+                        why=f"no candidate of the search space can hold the 4-bit weights: {problems[0]}")
+    if training.model_init is ModelInit.AUTO:
+        return replace(training, model_init=ModelInit.DEVICE)
+    return training
+
+
 def load_study(path: str | Path) -> StudySpec:
     """Read and validate the study file at ``path``; raise :class:`UserError` on any mistake."""
     study_path = Path(path)
@@ -222,6 +255,8 @@ def load_study(path: str | Path) -> StudySpec:
         raise UserError(source=source, key="training.model_init",
                         why="zero_init (deepspeed.zero.Init) builds a partitioned model that only ZeRO stage 3 trains, "
                             f"and the search space holds zero_stage {', '.join(str(int(s)) for s in stages)} only")
+    if isinstance(model, TransformerModel) and model.quantization is not None:
+        training = _four_bit_training(model, training, space=space, source=source)
     if trial.command is not None:
         _check_script(trial.command, space=space, study_path=study_path, model=model)
     per_step = training.micro_batch_size * hardware.world_size
