@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from launchers.workloads.fake_kernels import grouped_mm_for_fake_tensors
-from launchers.workloads.four_bit import is_four_bit
+from launchers.workloads.four_bit import emulate_four_bit_matmuls, is_four_bit
 from launchers.workloads.reference import anchored, freeze_all, frozen_copy_spec, reference_forward
 from launchers.workloads.zero3_linear import deepspeed_linear
 from optimizer.deepspeed.zero3_gather import gathered
@@ -286,6 +286,8 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                 # engine casts them — but not under ZeRO-3, where the model built by zero.Init is not cast
                 # (engine.py:1859-1862, 2077) and PEFT's adapters stay fp32 (lora/layer.py:1100 casts their input)
                 model = apply_trainable(model, model_spec, as_deepspeed_casts=not zero3)
+                if model_spec.get("quantization"):  # the 4-bit layers' dequantized weights, where they happen
+                    emulate_four_bit_matmuls(model, model_spec["quantization"])
                 reference = _reference_model(model_spec, sequence_length)
             finally:
                 torch.set_default_dtype(previous)

@@ -96,6 +96,25 @@ def test_per_candidate_storage_problems_are_invalid_reasons_and_a_space_of_none_
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+def test_without_bitsandbytes_every_candidate_is_invalid_with_the_reason_and_the_plan_still_prints(tmp_path, capsys,
+                                                                                                   monkeypatch):
+    from importlib import metadata
+
+    from optimizer.cli import main
+
+    real = metadata.version
+
+    def version(name: str) -> str:
+        if name == "bitsandbytes":
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    assert main(["ledger", str(_study(tmp_path, knobs={"zero_stage": [0, 2], "precision": ["bf16"]}))]) == 0
+    out = capsys.readouterr().out
+    assert "2 invalid" in out and "2  model.quantization needs the bitsandbytes package" in out, out
+
+
 @pytest.mark.parametrize(("model_extra", "training_extra", "key"), [
     ({}, {"model_init": "zero_init"}, "training.model_init"),
 ])
@@ -122,16 +141,36 @@ def test_a_model_given_by_its_shape_cannot_be_quantized(tmp_path):
     assert err.value.key == "model.quantization" and "hf_config" in err.value.why
 
 
-def test_the_dequantized_weight_by_hand():
+def _hand_model(compute: str = "bfloat16"):
     from optimizer.study.inventory import InventoryTensor, ParameterInventory
     from optimizer.study.specs import TransformerModel
 
     tensors = (InventoryTensor(name="w", module="m", module_type="Linear", shape=(128, 64), dtype="float32",
                                trainable=False, four_bit=True),
                InventoryTensor(name="a", module="m.a", module_type="Linear", shape=(4, 64), dtype="float32"))
-    model = TransformerModel(layers=1, hidden_size=64, heads=4, kv_heads=4, ffn_size=256, vocab_size=256,
-                             hf_config="{}", inventory=ParameterInventory(tensors=tensors),
-                             quantization=FourBitBase(compute_dtype="bfloat16", double_quant=True).to_json())
+    return TransformerModel(layers=1, hidden_size=64, heads=4, kv_heads=4, ffn_size=256, vocab_size=256,
+                            hf_config="{}", inventory=ParameterInventory(tensors=tensors),
+                            quantization=FourBitBase(compute_dtype=compute, double_quant=True).to_json())
+
+
+def test_the_step_time_work_of_a_four_bit_base_by_hand():
+    from optimizer.perf.four_bit_work import four_bit_work
+
+    n = 128 * 64
+    # bf16 compute, bf16 training, full recomputation, 100 tokens in 2 micro-steps: GEMMs stay at the 16-bit rate;
+    # dequantized in forward twice (0.5 + 2 bytes per element) and in backward once (0.5 + 2)
+    same = four_bit_work(model=_hand_model(), training_bytes=2, tokens=100, micro_steps=2, recomputed=1.0)
+    assert (same.elements, same.packed_bytes, same.other_precision_flops) == (n, n // 2, 0.0)
+    assert same.dequant_bytes == 2 * (2.5 * n * 2 + 2.5 * n)
+    # transformers' default fp32 compute under bf16 training: forward, input-gradient and recomputed GEMMs at the
+    # fp32 rate; backward dequantizes to bf16 and casts to fp32 (0.5 + 2 + 2 + 4)
+    slow = four_bit_work(model=_hand_model("float32"), training_bytes=2, tokens=100, micro_steps=2, recomputed=1.0)
+    assert slow.other_precision_flops == 100 * 2 * n * 3
+    assert slow.dequant_bytes == 2 * (4.5 * n * 2 + 8.5 * n)
+
+
+def test_the_dequantized_weight_by_hand():
+    model = _hand_model()
     # forward: 2 bytes (bf16 compute) x 8,192 + the nested absmax in fp32 (128 blocks of 64); backward in fp32
     # training: dequantized to fp32 (the weight's dtype), then to the bf16 gradient: 4 + 2 bytes per element
     assert dequantized_weight_bytes(model, training_bytes=2) == (2 * 8192 + 4 * 128, "2·L₄ + 4·L₄/64")
@@ -215,3 +254,12 @@ def test_at_zero3_the_packed_weights_are_partitioned_as_storage_elements(tmp_pat
     for whole, as_held in zip(full, held, strict=True):  # bf16 storage: ⌈n/2⌉ bytes are ⌈n/4⌉ bf16 elements
         assert as_held.numel == (packed_elements(whole.numel, storage_bytes=2) if whole.four_bit else whole.numel)
     assert zero3_partition_elements(model, ranks=2) == sum(-(-t.numel // 2) for t in held)
+
+
+def test_the_export_says_which_four_bit_base_it_was_planned_for(tmp_path):
+    from optimizer.results.export import planned_setup
+    from optimizer.study.study_file import load_study
+
+    text = planned_setup(load_study(_study(tmp_path)))
+    assert "4-bit nf4 (double quant, bfloat16 storage, compute bfloat16) base" in text, text
+    assert "bnb_4bit_quant_storage=torch.bfloat16" in text and "PEFT LoRA r=4" in text, text

@@ -152,7 +152,7 @@ def _cpu_jobs():
 
 def test_calibration_recovers_known_rates_from_measurements():
     study, jobs = _cpu_jobs()
-    truth = Rates(seconds_per=(2e-9, 1e-9, 3e-9, 4e-9, 1e-8, 5e-8, 0.0, 0.004, 0.01, 0.02, 0.05), source="truth",
+    truth = Rates(seconds_per=(2e-9, 1e-9, 3e-9, 4e-9, 1e-8, 5e-8, 0.0, 0.004, 0.01, 0.02, 0.05, 1e-10), source="truth",
                   overlap_z3=False)
     measured = [TimeSample(work=j, step_time_s=predict(job=j, rates=truth, ranks=2).total_s) for j in jobs[::5]]
     fitted = fit_rates(measured, prior=profile_rates(hardware=study.hardware))

@@ -63,6 +63,83 @@ def mark_four_bit(model: nn.Module, fields: dict[str, Any]) -> list[str]:
     return names
 
 
+class _FourBitMatmul:
+    """Built lazily (torch is imported where a model is at hand): see :func:`emulate_four_bit_matmuls`."""
+
+    function: Any = None
+
+    @classmethod
+    def get(cls) -> Any:
+        if cls.function is None:
+            import torch
+
+            class FourBitMatmul(torch.autograd.Function):
+                """``MatMul4Bit`` as bitsandbytes 0.50 allocates (module doc of :func:`emulate_four_bit_matmuls`)."""
+
+                @staticmethod
+                def forward(ctx: Any, x: Any, weight: Any, bias: Any, state_dtype: Any, blocks: int) -> Any:
+                    if blocks:  # nested absmax dequantized to fp32 first (_gemm_4bit_default_impl)
+                        absmax = torch.empty(blocks, dtype=torch.float32, device=x.device)
+                    dequantized = weight.detach().to(x.dtype, copy=True)  # dequantize_4bit to A.dtype: a new tensor
+                    out = torch.nn.functional.linear(x, dequantized, None if bias is None else bias.to(x.dtype))
+                    del dequantized
+                    if blocks:
+                        del absmax
+                    ctx.save_for_backward(weight)  # ctx.tensors = (None, B): the weight only, no input
+                    ctx.state_dtype = state_dtype
+                    ctx.blocks = blocks
+                    ctx.has_bias = bias is not None and bias.requires_grad
+                    return out
+
+                @staticmethod
+                def backward(ctx: Any, grad: Any) -> Any:
+                    (weight,) = ctx.saved_tensors
+                    if ctx.blocks:  # functional.dequantize_4bit: the nested absmax to fp32 again
+                        absmax = torch.empty(ctx.blocks, dtype=torch.float32, device=grad.device)
+                    dequantized = weight.detach().to(ctx.state_dtype, copy=True)  # dequantize_4bit returns,
+                    if ctx.blocks:                                                 # its absmax freed,
+                        del absmax
+                    dequantized = dequantized.to(grad.dtype)                       # then .to the gradient's
+                    grad_x = grad.matmul(dequantized)
+                    grad_bias = grad.sum(tuple(range(grad.dim() - 1))) if ctx.has_bias else None
+                    return grad_x, None, grad_bias, None, None
+
+            cls.function = FourBitMatmul
+        return cls.function
+
+
+def emulate_four_bit_matmuls(model: nn.Module, fields: dict[str, Any]) -> int:
+    """Make every tagged 4-bit layer of a fake-tensor model allocate what bitsandbytes 0.50's 4-bit layer allocates,
+    for the trace: ``Linear4bit.forward`` (``nn/modules.py``) casts its input to the compute dtype and its output
+    back; ``MatMul4Bit`` (``autograd/_functions.py``) dequantizes the weight to the input's dtype for the GEMM (after
+    the nested absmax to fp32, ``backends/default/ops.py`` ``_gemm_4bit_default_impl``), keeps no input for
+    backward, and in backward dequantizes again to the weight's own dtype (the training dtype it was quantized from)
+    and casts it to the gradient's. So the trace sees the dequantized weight exactly when it coexists with the
+    activations. The count of layers."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    compute = getattr(torch, fields.get("bnb_4bit_compute_dtype", "float32"))
+    blocksize = 64
+    function = _FourBitMatmul.get()
+    count = 0
+    for module in model.modules():
+        weight = module._parameters.get("weight")  # its own: PEFT's wrapper forwards .weight to its base layer
+        if weight is None or not getattr(weight, FOUR_BIT_TAG, False):
+            continue
+        conv1d = isinstance(module, Conv1D)
+        blocks = -(-weight.numel() // blocksize) if fields.get("bnb_4bit_use_double_quant") else 0
+
+        def forward(x: Any, *, layer: Any = module, conv: bool = conv1d, nested: int = blocks) -> Any:
+            w = layer.weight.t() if conv else layer.weight
+            out = function.apply(x.to(compute), w, layer.bias, layer.weight.dtype, nested)
+            return out.to(x.dtype)
+
+        module.forward = forward
+        count += 1
+    return count
+
+
 def is_four_bit(param: Any) -> bool:
     """The parameter is a 4-bit weight: tagged by :func:`mark_four_bit`, or a real ``Params4bit``."""
     return bool(getattr(param, FOUR_BIT_TAG, False)) or type(param).__name__ == "Params4bit"
@@ -95,7 +172,9 @@ def quantize_(model: nn.Module, fields: dict[str, Any], *, device: Any) -> int:
                                 compress_statistics=bool(fields.get("bnb_4bit_use_double_quant")),
                                 quant_type=fields.get("bnb_4bit_quant_type", "fp4"), quant_storage=storage,
                                 device="meta")
-        new.weight = bnb.nn.Params4bit(weight.contiguous().to("cpu", torch.float32), requires_grad=False,
+        # quantized from the weight in the dtype it was built in (the training dtype, as from_pretrained(dtype=...)
+        # loads it): the quant_state's dtype, which backward dequantizes to (MatMul4Bit.backward)
+        new.weight = bnb.nn.Params4bit(weight.contiguous().to("cpu"), requires_grad=False,
                                        quant_type=new.weight.quant_type, blocksize=new.weight.blocksize,
                                        compress_statistics=new.weight.compress_statistics,
                                        quant_storage=storage).to(device)

@@ -33,6 +33,10 @@ G = global batch, s sequence length, T = G·s/W tokens per rank, M = G/(micro-ba
   the partition crosses PCIe in forward and backward of every micro-step (2·M·Ψ/W·b, frozen partitions too).
   NVMe adds the optimizer states' swap (12 bytes per trainable parameter read and written) at the NVMe
   bandwidth, which is unknown unless calibrated.
+* **QLoRA** — a 4-bit base's matmuls run at ``bnb_4bit_compute_dtype``'s rate (fp32 compute under a bf16
+  candidate: its forward, input-gradient and recomputed GEMMs at the fp32 peak), each weight is dequantized for every
+  matmul (device-memory traffic at the HBM rate, :mod:`optimizer.perf.four_bit_work`), and ZeRO-3 gathers and
+  parameter offload move the packed bytes, not 16-bit weights.
 * **overhead** — a fixed time per micro-step that depends on the ZeRO stage (hooks, bucketing, launches).
   Unknown a priori (0 on GPUs before calibration); on CPU ranks it dominates small models.
 
@@ -45,6 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from optimizer.ledger.transformer import parameter_count, trainable_count
+from optimizer.perf.four_bit_work import four_bit_work
 from optimizer.study.constraints import gradient_accumulation_steps
 from optimizer.study.knobs import (
     Candidate,
@@ -58,7 +63,7 @@ from optimizer.study.knobs import (
 from optimizer.study.specs import HardwareSpec, TrainingSpec, TransformerModel
 
 FEATURES = ("flops_fp32", "flops_16bit", "comm_bytes", "comm_bytes_z3", "pcie_bytes", "host_params", "nvme_bytes",
-            "micro_steps_z0", "micro_steps_z1", "micro_steps_z2", "micro_steps_z3")
+            "micro_steps_z0", "micro_steps_z1", "micro_steps_z2", "micro_steps_z3", "dequant_bytes")
 """The work of one optimizer step per rank, in the order of :class:`Rates`'s seconds-per-unit."""
 
 
@@ -86,15 +91,23 @@ class Work:
     """Tokens this rank processes per optimizer step."""
     precision: Precision
     """Training precision (which peak FLOP/s applies)."""
+    flops_fp32_compute: float = 0.0
+    """FLOPs of a QLoRA base's 4-bit matmuls run in fp32 (``bnb_4bit_compute_dtype: float32``) by a 16-bit
+    candidate; ``flops`` holds the rest."""
+    flops_16bit_compute: float = 0.0
+    """FLOPs of 4-bit matmuls run in 16 bits by an fp32 candidate."""
+    dequant_bytes: float = 0.0
+    """Device-memory bytes written and read by dequantizing 4-bit weights (QLoRA; module doc)."""
 
     def vector(self) -> tuple[float, ...]:
         """The work in :data:`FEATURES` order."""
         steps = [0.0, 0.0, 0.0, 0.0]
         steps[int(self.stage)] = float(self.micro_steps)
         fp32 = self.precision is Precision.FP32
-        return (self.flops if fp32 else 0.0, 0.0 if fp32 else self.flops, self.comm_bytes, self.comm_bytes_z3,
+        return ((self.flops if fp32 else self.flops_fp32_compute),
+                (self.flops_16bit_compute if fp32 else self.flops), self.comm_bytes, self.comm_bytes_z3,
                 self.pcie_bytes, self.host_params,
-                self.nvme_bytes, *steps)
+                self.nvme_bytes, *steps, self.dequant_bytes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -200,6 +213,13 @@ def work(*, candidate: Candidate, model: TransformerModel, hardware: HardwareSpe
         recompute = 0
     flops = float(tokens * (forward + backward + recompute))
     b = 4 if candidate.precision is Precision.FP32 else 2
+    recomputed_blocks = (1.0 if isinstance(ckpt, FullCheckpointing) else (L // ckpt.k) / L
+                         if isinstance(ckpt, EveryKCheckpointing) else 0.0)  # selective recomputes no weight GEMM
+    four_bit = four_bit_work(model=model, training_bytes=b, tokens=tokens, micro_steps=micro,
+                             recomputed=recomputed_blocks)
+    other_flops = min(four_bit.other_precision_flops, flops)
+    flops -= other_flops
+    held = psi * b - four_bit.elements * b + four_bit.packed_bytes  # what ZeRO-3 gathers and offloads (bytes)
     ring = (ranks - 1) / ranks
     stage = candidate.zero_stage
     comm = comm_z3 = 0.0
@@ -208,8 +228,8 @@ def work(*, candidate: Candidate, model: TransformerModel, hardware: HardwareSpe
     elif stage is ZeroStage.GRADIENTS:
         comm = ring * psi_tr * b * (micro + 1)
     else:
-        comm_z3 = ring * (2 * psi + psi_tr) * b * micro
-    partition, trained = psi / ranks, psi_tr / ranks
+        comm_z3 = ring * (2 * held + psi_tr * b) * micro
+    partition, trained = held / ranks, psi_tr / ranks
     pcie = host = nvme = 0.0
     if candidate.offload_optimizer is not OffloadDevice.NONE:
         pcie += 2 * trained * b
@@ -217,11 +237,14 @@ def work(*, candidate: Candidate, model: TransformerModel, hardware: HardwareSpe
         if candidate.offload_optimizer is OffloadDevice.NVME:
             nvme += 2 * 12 * trained
     if candidate.offload_param is not OffloadDevice.NONE:
-        pcie += 2 * micro * partition * b
+        pcie += 2 * micro * partition
         if candidate.offload_param is OffloadDevice.NVME:
-            nvme += 2 * micro * partition * b
+            nvme += 2 * micro * partition
+    fp32 = candidate.precision is Precision.FP32
     return Work(flops=flops, comm_bytes=comm, comm_bytes_z3=comm_z3, pcie_bytes=pcie, host_params=host,
-                nvme_bytes=nvme, micro_steps=micro, stage=stage, tokens=tokens, precision=candidate.precision)
+                nvme_bytes=nvme, micro_steps=micro, stage=stage, tokens=tokens, precision=candidate.precision,
+                flops_fp32_compute=0.0 if fp32 else other_flops, flops_16bit_compute=other_flops if fp32 else 0.0,
+                dequant_bytes=four_bit.dequant_bytes)
 
 
 def profile_rates(*, hardware: HardwareSpec) -> Rates:
@@ -250,6 +273,7 @@ def profile_rates(*, hardware: HardwareSpec) -> Rates:
         inverse(link), inverse(link), inverse(profile.pcie_bytes_per_s), inverse(profile.host_adam_params_per_s),
         inverse(nvme),
         *((0.0 if gpu else None),) * 4,  # per-micro-step overheads: negligible on GPUs for large models
+        inverse(profile.memory_bytes_per_s),
     ), source=f"profile {profile.name}")
 
 
@@ -262,8 +286,8 @@ def predict(*, job: Work, rates: Rates, ranks: int) -> StepTime | str:
             return f"unknown: no figure for {name.replace('_', ' ')} ({rates.source}); calibration or " \
                    "hardware.profile supplies it"
         seconds.append(amount * (per or 0.0))
-    compute32, compute16, comm, comm_z3, pcie, host, nvme, *overhead = seconds
-    compute = compute32 + compute16
+    compute32, compute16, comm, comm_z3, pcie, host, nvme, *overhead, dequant = seconds
+    compute = compute32 + compute16 + dequant
     exposed_z3 = max(0.0, comm_z3 - compute) if rates.overlap_z3 else comm_z3
     terms = (("compute", compute), ("communication", comm + exposed_z3), ("offload", pcie),
              ("host_optimizer", host), ("nvme", nvme), ("overhead", sum(overhead)))

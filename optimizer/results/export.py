@@ -20,6 +20,7 @@ from optimizer.deepspeed.config import build_ds_config
 from optimizer.deepspeed.validate import InvalidDeepSpeedConfig, validate_with_deepspeed
 from optimizer.study.errors import UserError
 from optimizer.study.knobs import KNOB_NAMES, with_knobs
+from optimizer.study.quantization_section import FourBitBase
 from optimizer.study.specs import TransformerModel, baseline_candidate
 from optimizer.study.study_file import StudySpec
 
@@ -74,6 +75,12 @@ def planned_setup(spec: StudySpec) -> str:
     model = spec.model
     parts: list[str] = []
     if isinstance(model, TransformerModel):
+        if model.quantization is not None:
+            base = FourBitBase.from_json(model.quantization)
+            parts.append(f"a {base.label()} base: from_pretrained(..., quantization_config=BitsAndBytesConfig("
+                         f"load_in_4bit=True, bnb_4bit_quant_type='{base.quant_type}', bnb_4bit_use_double_quant="
+                         f"{base.double_quant}, bnb_4bit_compute_dtype=torch.{base.compute_dtype}, "
+                         f"bnb_4bit_quant_storage=torch.{base.storage}), dtype=<the training dtype>)")
         if model.peft is not None:
             fields = json.loads(model.peft)
             shown = {k: fields[k] for k in ("r", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save",

@@ -25,7 +25,7 @@ Nothing here fixes a candidate: it returns reasons, and the caller reports them.
 from __future__ import annotations
 
 from optimizer.study.knobs import Candidate, EveryKCheckpointing, OffloadDevice, SelectiveCheckpointing, ZeroStage
-from optimizer.study.quantization_section import FourBitBase
+from optimizer.study.quantization_section import FourBitBase, bitsandbytes_missing
 from optimizer.study.specs import HardwareSpec, ModelInit, ModelSpec, SeedModel, TrainingSpec, TransformerModel
 
 
@@ -71,6 +71,9 @@ def invalid_reasons(
             zero3=stage is ZeroStage.PARAMETERS, training_dtype=candidate.precision.torch_dtype_name)
         if problem:
             reasons.append(problem)
+        missing = bitsandbytes_missing()
+        if missing:
+            reasons.append(missing)
     if isinstance(model, SeedModel) and model.activation_bytes_for(ckpt) is None:
         stated = ", ".join(sorted(model.activation_bytes))
         reasons.append(f"the study states no activation figure for checkpointing={ckpt} (stated: {stated})")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any
 
 from optimizer.study.errors import UserError
@@ -101,6 +102,17 @@ class FourBitBase:
         return FourBitBase(quant_type=data["bnb_4bit_quant_type"], double_quant=data["bnb_4bit_use_double_quant"],
                            compute_dtype=data["bnb_4bit_compute_dtype"], storage=data["bnb_4bit_quant_storage"],
                            skip_modules=tuple(data["llm_int8_skip_modules"]))
+
+
+def bitsandbytes_missing() -> str | None:
+    """Why no trial can quantize on this machine (bitsandbytes not installed), or None. The plan needs no
+    bitsandbytes (transformers' rule and the bytes are pure); every candidate of a QLoRA study is invalid with this
+    reason where it is missing, and nothing is launched."""
+    try:
+        metadata.version("bitsandbytes")
+    except metadata.PackageNotFoundError:
+        return "model.quantization needs the bitsandbytes package where trials run (pip install bitsandbytes)"
+    return None
 
 
 def _dtype(value: Any, choices: tuple[str, ...], what: str) -> str:
