@@ -6,7 +6,9 @@ For every candidate of a grid (benchmarks/record_grid.py) that ran: the measured
 live-tensor peak of one memory), the ledger's per-rank prediction — computed now from the grid's study file, as
 ``dsopt study run`` computes it (its inventory where it trains in part, its traced activations; device + host items
 on CPU ranks, as record_grid.py records them) — and the difference in per cent of the measured peak. Then, per
-grid: how many are within 3 % and 1 %, the median and the largest |difference|. Prints Markdown; asserts nothing.
+grid: how many are within 3 % and 1 %, the median and the largest |difference|. ``--phase training`` compares
+training's peak alone (a QLoRA grid: dsopt's own trial builds the 16-bit model before it quantizes, an init a
+user's ``from_pretrained`` does not have). Prints Markdown; asserts nothing.
 """
 
 from __future__ import annotations
@@ -26,20 +28,24 @@ from optimizer.study.study_file import load_study
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def rows(grid: dict) -> list[tuple[str, int, int, float]]:
-    """(label, measured, predicted, difference %) of every candidate that completed."""
+def rows(grid: dict, *, phase: str = "peak") -> list[tuple[str, int, int, float]]:
+    """(label, measured, predicted, difference %) of every candidate that completed; ``phase`` ``training``:
+    training's peak alone on both sides (the init phase left out: ``training_peak_bytes`` against the ledger's
+    ``training_bytes``)."""
     study = with_traced_activations(adapted_inventory(load_study(ROOT / grid["study_file"])))
     spec = {"model": study.model, "hardware": study.hardware, "training": study.training}
     base = baseline_candidate(study.training)
     out = []
     for entry in grid["candidates"]:
-        measured = entry.get("measured_peak_bytes")
+        measured = entry.get("training_peak_bytes" if phase == "training" else "measured_peak_bytes")
         if entry.get("outcome") != "ok" or not measured:
             continue
         ledger = evaluate(candidate=candidate_of(entry["knobs"], base), **spec).ledger
         assert ledger is not None, entry["label"]
         device = ledger.per_gpu()["total"]
         predicted = ledger.host_bytes // ledger.ranks_per_node if ledger.device_is_host else device
+        if phase == "training":
+            predicted = ledger.training_bytes
         out.append((entry["label"], measured, predicted, 100.0 * (predicted - measured) / measured))
     return out
 
@@ -47,11 +53,14 @@ def rows(grid: dict) -> list[tuple[str, int, int, float]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("grids", nargs="+", type=Path)
+    parser.add_argument("--phase", choices=("peak", "training"), default="peak",
+                        help="the whole run's peak (default), or training's alone (the init phase left out)")
     args = parser.parse_args()
     for path in args.grids:
         grid = json.loads(path.read_text())
-        table = rows(grid)
-        print(f"\n{path.name} ({grid['study']}, {grid['machine'].get('cpu', '')}; MB = 10^6 bytes)\n")
+        table = rows(grid, phase=args.phase)
+        what = "training's peak alone, " if args.phase == "training" else ""
+        print(f"\n{path.name} ({grid['study']}, {grid['machine'].get('cpu', '')}; {what}MB = 10^6 bytes)\n")
         print("| candidate | measured MB | ledger MB | difference |")
         print("|---|---|---|---|")
         for label, measured, predicted, diff in table:

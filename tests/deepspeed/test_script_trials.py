@@ -39,9 +39,12 @@ def _dsopt(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     ("hf_trainer", "hf-trainer", 1),  # the Trainer runs DeepSpeed in one CPU process only (docs/trials.md)
     ("accelerate", "accelerate", 2),
     ("peft_lora", "peft-lora", 1),  # HF Trainer + PEFT LoRA: the study's model.peft is the script's LoraConfig
+    ("qlora_trainer", "qlora-trainer", 1),  # + bitsandbytes 4-bit: model.quantization is its BitsAndBytesConfig
 ])
 def test_an_example_is_tuned_and_its_export_trains_without_dsopt_as_measured(tmp_path, example, name, ranks):
     pytest.importorskip("transformers")
+    if example == "qlora_trainer":
+        pytest.importorskip("bitsandbytes")
     study = _examples(tmp_path) / example / "study.yaml"
     run = _dsopt("study", "run", str(study), "--n-trials", "2", cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
@@ -53,7 +56,8 @@ def test_an_example_is_tuned_and_its_export_trains_without_dsopt_as_measured(tmp
     assert export.returncode == 0, export.stdout + export.stderr
     line = re.search(r"train with it .*?: (.*)", export.stdout).group(1)
     planned = re.search(r"planned for: (.*)", export.stdout).group(1)
-    assert ("PEFT LoRA r=8" in planned) is (example == "peft_lora"), planned
+    assert ("PEFT LoRA r=8" in planned) is (example in ("peft_lora", "qlora_trainer")), planned
+    assert ("4-bit nf4" in planned) is (example == "qlora_trainer"), planned
     assert str(out) in line and "{max_steps}" in line, line
     label = re.search(r"picked trial #\d+ \(fastest\): (.*)", export.stdout).group(1)
     measured = json.loads(next((study.parent / name / "trials").glob(label.replace(" ", "_") + "*/result.json"))
