@@ -75,7 +75,8 @@ def test_the_fitted_lines_name_each_feature_in_order(tiny):
     lines = calibration_table(spec=tiny, trials=_measured_trials(), models=_models()).splitlines()
     names = [line.split()[0] for line in lines[lines.index("fitted seconds per unit (profile → calibrated):") + 1:]]
     assert names == ["flops_fp32", "flops_16bit", "comm_bytes", "comm_bytes_z3", "pcie_bytes", "host_params",
-                     "nvme_bytes", "micro_steps_z0", "micro_steps_z1", "micro_steps_z2", "micro_steps_z3", "dequant_bytes"]
+                     "nvme_bytes", "micro_steps_z0", "micro_steps_z1", "micro_steps_z2", "micro_steps_z3",
+                     "dequant_bytes"]
 
 
 def test_the_table_with_profile_rates_shows_the_models_speed_and_error(tiny, monkeypatch):
