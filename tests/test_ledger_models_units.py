@@ -186,7 +186,7 @@ def test_to_attr_names_each_rate_by_its_feature():
     assert models.to_attr() == {
         "seconds_per": {"flops_fp32": 0.0, "flops_16bit": 1.0, "comm_bytes": 2.0, "comm_bytes_z3": 3.0,
                         "pcie_bytes": 4.0, "host_params": 5.0, "nvme_bytes": 6.0, "micro_steps_z0": 7.0,
-                        "micro_steps_z1": 8.0, "micro_steps_z2": 9.0, "micro_steps_z3": 10.0},
+                        "micro_steps_z1": 8.0, "micro_steps_z2": 9.0, "micro_steps_z3": 10.0, "dequant_bytes": 11.0},
         "source": "calibrated on 3 trials", "memory_factors": {GROUP: 1.25}, "time_samples": 3}
 
 
