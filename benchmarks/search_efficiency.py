@@ -236,11 +236,13 @@ def run_tpe(grid: Grid, seed: int) -> Run:
     run = Run(launched=[])
     seen: dict[str, tuple[float, float] | None] = {}
     for _ in range(5000):
-        if run.reached_at is not None or len(seen) == len(grid.entries):
+        if run.reached_at is not None or sum(label in grid.entries for label in seen) == len(grid.entries):
             break
         trial = study.ask()
         label = sample_candidate(trial, space, base).label()
-        if label not in seen:
+        if label not in seen and label not in grid.entries:  # invalid (not recorded: DeepSpeed refuses it before
+            seen[label] = None                              # any work): told as a failure, not counted as a launch
+        elif label not in seen:
             entry = run.launch(grid, label)
             seen[label] = None if not _fits(grid, entry) else (
                 float(entry["measured_peak_bytes"]), float(entry["tokens_per_s"]))
