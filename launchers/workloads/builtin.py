@@ -237,7 +237,12 @@ def build_workload(*, model_spec: dict[str, Any], checkpointing: str, sequence_l
     hf = bool(model_spec.get("hf_config"))
     from launchers.workloads.trainable import apply_trainable, zero_lora_b_
 
-    with construction_context(construction, ds_config=config, device=device, hf=hf and not entry_point):
+    # A 4-bit base is built on the host and each 4-bit layer quantized onto the device (quantize_ below), as
+    # from_pretrained(quantization_config=...) loads it: the device never holds the 16-bit base (a 70B model's
+    # 140 GB); on CPU ranks host and device are one memory, and nothing changes.
+    four_bit = bool(model_spec.get("quantization")) and not entry_point
+    build_device = torch.device("cpu") if four_bit else device
+    with construction_context(construction, ds_config=config, device=build_device, hf=hf and not entry_point):
         if entry_point:
             model, batch_fn = load_entry_point(entry_point)(model_spec, sequence_length, seed, checkpointing)
         else:
@@ -245,7 +250,7 @@ def build_workload(*, model_spec: dict[str, Any], checkpointing: str, sequence_l
             model = build_model(model_spec, checkpointing=checkpointing, dtype=dtype)
     if entry_point:  # what trains, as a script adds it to the model it built (launchers/workloads/trainable.py)
         return apply_trainable(model, model_spec), batch_fn
-    if model_spec.get("quantization"):  # as from_pretrained(quantization_config=...) hands the base to the script:
+    if four_bit:  # as from_pretrained(quantization_config=...) hands the base to the script:
         from launchers.workloads.four_bit import quantize_  # the seeded weights quantized, then the adapters
 
         seeded_init_(model, seed=seed, std=init_std(model_spec))
