@@ -37,7 +37,6 @@ from optimizer.study.specs import TransformerModel
 
 BNB = "bitsandbytes 0.50"
 """The release the items' sources refer to."""
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def held_items(z: _Sizes, candidate: Candidate) -> list[LedgerItem]:
@@ -60,7 +59,7 @@ def dequantized_weight_bytes(model: TransformerModel, *, training_bytes: int) ->
     if not weights.elements or model.quantization is None:
         return 0, ""
     base = FourBitBase.from_json(model.quantization)
-    compute = DTYPE_BYTES[base.compute_dtype]
+    compute = base.compute_bytes
     nested = FP32 * weights.largest_blocks if base.double_quant else 0
     forward = compute * weights.largest + nested
     backward = training_bytes * weights.largest + (compute * weights.largest if compute != training_bytes else 0)

@@ -138,6 +138,8 @@ class FourBitWeights:
     per tensor)."""
     statistics_bytes: int
     """The statistics alone (absmax, codebooks): not parameters, so never partitioned by ZeRO-3."""
+    packed_bytes: int
+    """The packed weights alone (⌈n/2⌉ each): what ZeRO-3 gathers and parameter offload moves for them."""
     largest: int
     """Elements of the largest 4-bit weight (the one dequantized for its matmul at the peak)."""
     largest_blocks: int
@@ -148,14 +150,16 @@ class FourBitWeights:
 def four_bit_weights(model: TransformerModel) -> FourBitWeights:
     """:class:`FourBitWeights` of ``model``'s inventory under its ``model.quantization``."""
     if model.quantization is None:
-        return FourBitWeights(elements=0, held_bytes=0, statistics_bytes=0, largest=0, largest_blocks=0)
+        return FourBitWeights(elements=0, held_bytes=0, statistics_bytes=0, packed_bytes=0, largest=0,
+                              largest_blocks=0)
     base = FourBitBase.from_json(model.quantization)
     sizes = [t.numel for t in parameter_tensors(model) if t.four_bit]
     parts = [four_bit_bytes(n, blocksize=base.blocksize, double_quant=base.double_quant, storage_bytes=1)
              for n in sizes]
     largest = max(sizes, default=0)
     return FourBitWeights(elements=sum(sizes), held_bytes=sum(p.total for p in parts),
-                          statistics_bytes=sum(p.statistics for p in parts), largest=largest,
+                          statistics_bytes=sum(p.statistics for p in parts),
+                          packed_bytes=sum(p.packed for p in parts), largest=largest,
                           largest_blocks=-(-largest // base.blocksize))
 
 

@@ -24,8 +24,6 @@ from optimizer.ledger.transformer import four_bit_weights
 from optimizer.study.quantization_section import FourBitBase
 from optimizer.study.specs import TransformerModel
 
-COMPUTE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FourBitWork:
@@ -49,12 +47,12 @@ def four_bit_work(*, model: TransformerModel, training_bytes: int, tokens: int, 
     if not weights.elements or model.quantization is None:
         return FourBitWork(elements=0, packed_bytes=0, other_precision_flops=0.0, dequant_bytes=0.0)
     psi4 = weights.elements
-    compute = COMPUTE_BYTES[FourBitBase.from_json(model.quantization).compute_dtype]
+    compute = FourBitBase.from_json(model.quantization).compute_bytes
     other = (compute == 4) != (training_bytes == 4)
     gemm_flops = tokens * 2 * psi4 * (2 + recomputed)
     forward = psi4 / 2 + compute * psi4
     backward = psi4 / 2 + training_bytes * psi4 + ((training_bytes + compute) * psi4
                                                    if training_bytes != compute else 0)
-    packed = sum(-(-t.numel // 2) for t in (model.inventory.tensors if model.inventory else ()) if t.four_bit)
-    return FourBitWork(elements=psi4, packed_bytes=packed, other_precision_flops=gemm_flops if other else 0.0,
+    return FourBitWork(elements=psi4, packed_bytes=weights.packed_bytes,
+                       other_precision_flops=gemm_flops if other else 0.0,
                        dequant_bytes=micro_steps * (forward * (1 + recomputed) + backward))

@@ -64,6 +64,11 @@ class FourBitBase:
         """Bytes per storage element."""
         return STORAGE_BYTES[self.storage]
 
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of the compute dtype (what a 4-bit weight is dequantized to)."""
+        return STORAGE_BYTES[self.compute_dtype]
+
     def label(self) -> str:
         """``4-bit nf4 (double quant, bf16 storage)`` — what the plan and the export print."""
         extras = [*(["double quant"] if self.double_quant else []),
