@@ -55,6 +55,7 @@ def script_plan(study: StudySpec, candidate: Candidate, config: dict[str, Any]) 
         "planned_parameters": parameter_count(study.model),
         "expect": {
             "micro_batch_size": candidate.micro_batch_size,
+            "rows_per_micro_batch": study.model.rows(candidate.micro_batch_size),
             "gradient_accumulation_steps": config["gradient_accumulation_steps"],
             "zero_stage": int(candidate.zero_stage),
             "precision": str(candidate.precision),
@@ -89,10 +90,10 @@ def script_command(study: StudySpec, candidate: Candidate, *, launch_config: dic
 
 def script_tokens_per_step(study: StudySpec, reports: dict[int, dict[str, Any]]) -> int:
     """Tokens per optimizer step: what the hook counted in the batches the engine saw, else ``tokens_per_sample``
-    (default: the sequence length) × the global batch."""
+    (default: the sequence length) × the rows of the global batch (``training.sequences_per_sample`` each)."""
     counted = next((r.get("tokens_per_step") for _, r in sorted(reports.items()) if r.get("tokens_per_step")), None)
     if counted:
         return int(counted)
     command = study.trial.command
     per_sample = (command.tokens_per_sample if command else None) or study.training.sequence_length
-    return per_sample * study.training.global_batch_size
+    return per_sample * study.model.rows(study.training.global_batch_size)

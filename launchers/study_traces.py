@@ -260,20 +260,21 @@ def traced_micro_batches(study: StudySpec) -> tuple[int, ...]:
     return tuple(sorted({study.training.micro_batch_size, *(int(b) for b in values.get("micro_batch_size", ()))}))
 
 
-def needed_traces(study: StudySpec, *, candidates: Sequence[Candidate] | None = None
-                  ) -> dict[tuple[str, Precision, bool], tuple[int, ...]]:
+def needed_traces(study: StudySpec, *, candidates: Sequence[Candidate] | None = None,
+                  also: Sequence[Candidate] = ()) -> dict[tuple[str, Precision, bool], tuple[int, ...]]:
     """The micro-batches to trace per (checkpointing, precision, ZeRO-3 run): with ``candidates``, those the valid
     ones use (an invalid candidate has no ledger); else every micro-batch of the space for each
-    :func:`traceable_options` pair. The third part is true only for the ZeRO-3 candidates of a model that trains
-    in part (:data:`optimizer.study.traced_activation.ZERO3_RUN`): a full fine-tune's table is as it was."""
+    :func:`traceable_options` pair — and what the candidates in ``also`` use (one ``--set`` outside the space). The
+    third part is true only for the ZeRO-3 candidates of a model that trains in part
+    (:data:`optimizer.study.traced_activation.ZERO3_RUN`): a full fine-tune's table is as it was."""
     adapted = isinstance(study.model, TransformerModel) and study.model.zero3_traced_apart
+    needed: dict[tuple[str, Precision, bool], set[int]] = {}
     if candidates is None:
         micro_batches = traced_micro_batches(study)
         stages = {int(s) for s in dict(study.search_space.values).get("zero_stage", ())}
         runs = [False, True] if adapted and 3 in stages else [False]
-        return {(*option, zero3): micro_batches for option in traceable_options(study) for zero3 in runs}
-    needed: dict[tuple[str, Precision, bool], set[int]] = {}
-    for candidate in candidates:
+        needed = {(*option, zero3): set(micro_batches) for option in traceable_options(study) for zero3 in runs}
+    for candidate in [*(candidates or ()), *also]:
         if not invalid_reasons(candidate=candidate, model=study.model, hardware=study.hardware,
                                training=study.training):
             option = (str(candidate.checkpointing), candidate.precision, adapted and candidate.zero_stage == 3)
@@ -282,13 +283,14 @@ def needed_traces(study: StudySpec, *, candidates: Sequence[Candidate] | None = 
 
 
 def with_traced_activations(study: StudySpec, *, candidates: Sequence[Candidate] | None = None,
-                            warn: Callable[[str], None] | None = None) -> StudySpec:
+                            also: Sequence[Candidate] = (), warn: Callable[[str], None] | None = None) -> StudySpec:
     """The study with its model's ``traced_activations`` filled when it asks for ``activations: trace`` or
     ``auto`` (the default), cached in dsopt's cache folder (:class:`TraceCache`). With ``candidates`` only what
     they need is traced (:func:`needed_traces`: one (checkpointing, precision, micro-batch) for one ``--set``),
     and the table holds nothing else — the ledger of each of them equals its ledger from the whole space's table;
-    without, the whole search space. Each failed trace is reported through ``warn`` (default: one line on
-    stderr) naming the op, and the ledger uses the formula there. Other studies come back as they are.
+    without, the whole search space; ``also`` adds what its candidates need. Each failed trace is reported through
+    ``warn`` (default: one line on stderr) naming the op, and the ledger uses the formula there. Other studies come
+    back as they are.
     """
     from launchers.trial import model_dict
     from optimizer.ledger.transformer import trainable_count
@@ -304,7 +306,7 @@ def with_traced_activations(study: StudySpec, *, candidates: Sequence[Candidate]
     say = warn or (lambda line: print(line, file=sys.stderr))
     spec = model_dict(model)
     cache = TraceCache.shared(study_folder=study.path.parent.resolve())
-    needed = needed_traces(study, candidates=candidates)
+    needed = needed_traces(study, candidates=candidates, also=also)
     parameters = trainable_count(model)  # what a trace counts (requires_grad), so the shallow copies extend to it
     seq = study.training.sequence_length
     specs = {False: spec, True: {**spec, ZERO3_RUN: True}}
@@ -344,8 +346,8 @@ def trace_rows(*, study: StudySpec, cache: TraceCache | Path | None = None) -> l
     for checkpointing, precision in traceable_options(study):
         size = 4 if precision is Precision.FP32 else 2
         formula = activation_estimate(model, checkpointing=parse_checkpointing(checkpointing), seq=seq,
-                                      micro_batch=mbs, element_bytes=size)
-        head = sum(t.bytes for t in head_terms(model, seq=seq, micro_batch=mbs, element_bytes=size))
+                                      micro_batch=model.rows(mbs), element_bytes=size)
+        head = sum(t.bytes for t in head_terms(model, seq=seq, micro_batch=model.rows(mbs), element_bytes=size))
         row: dict[str, Any] = {
             "checkpointing": checkpointing, "precision": str(precision), "micro_batch": mbs,
             "formula_bytes": formula.total_bytes, "formula_blocks_stored_bytes": formula.stored_bytes - head,

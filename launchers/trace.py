@@ -261,7 +261,8 @@ def _block_growth(tracker: Any, block: nn.Module) -> int:
 
 def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precision, micro_batch: int,
           sequence_length: int) -> TraceResult | TraceFailure:
-    """Trace one forward + backward of ``micro_batch`` samples (module doc). ``model_spec`` is
+    """Trace one forward + backward of ``micro_batch`` samples (module doc), each ``sequences_per_sample`` rows when
+    the spec says so (a DPO pair's chosen and rejected completions). ``model_spec`` is
     :func:`launchers.trial.model_dict` of the study's model (its ``entry_point`` and ``hf_config`` included), with
     :data:`optimizer.study.traced_activation.ZERO3_RUN` for the variant of a ZeRO-3 run."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -291,7 +292,8 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                 reference = _reference_model(model_spec, sequence_length)
             finally:
                 torch.set_default_dtype(previous)
-            tokens = torch.randint(0, int(model_spec.get("vocab_size", 2)), (micro_batch, sequence_length + 1))
+            rows = micro_batch * int(model_spec.get("sequences_per_sample", 1))  # a DPO pair: chosen + rejected
+            tokens = torch.randint(0, int(model_spec.get("vocab_size", 2)), (rows, sequence_length + 1))
             blocks = decoder_blocks(model)
             modules = list(model.modules())
             tracker = _tracker(blocks, modules)

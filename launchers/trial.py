@@ -68,8 +68,9 @@ def model_dict(model: TransformerModel) -> dict[str, Any]:
     out = {f.name: (str(v) if hasattr(v, "value") else v)
            for f in dataclasses.fields(model) if f.name not in NOT_THE_MODEL for v in [getattr(model, f.name)]}
     out["hf_config"] = json.loads(model.hf_config) if model.hf_config is not None else None
-    for name in ("peft", "frozen", "reference_model", "quantization"):  # absent unless set: a full fine-tune's
-        out.pop(name)                                                   # spec (and every cache key) as before
+    # absent unless set: a full fine-tune's spec (and every cache key) as before
+    for name in ("peft", "frozen", "reference_model", "quantization", "sequences_per_sample", "lm_head"):
+        out.pop(name)
     if model.peft is not None:
         out["peft"] = json.loads(model.peft)
     if model.quantization is not None:
@@ -78,6 +79,10 @@ def model_dict(model: TransformerModel) -> dict[str, Any]:
         out["frozen"] = list(model.frozen)
     if model.reference_model:
         out["reference_model"] = True
+    if model.lm_head != "logits":
+        out["lm_head"] = model.lm_head
+    if model.sequences_per_sample != 1:
+        out["sequences_per_sample"] = model.sequences_per_sample
     return out
 
 
@@ -258,7 +263,7 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
             reports[rank] = json.loads(path.read_text())
     result = summarize(
         rank_reports=reports, world_size=ranks, returncode=run.returncode, timed_out=run.timed_out,
-        tokens_per_step=study.training.global_batch_size * study.training.sequence_length
+        tokens_per_step=study.model.rows(study.training.global_batch_size) * study.training.sequence_length
         if study.trial.command is None else script_tokens_per_step(study, reports),
         reference_losses=reference_losses, log_tail=log_tail(log_path), wall_s=run.wall_s,
         host_memory=host.evidence(),

@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 import sys
 import types
-from pathlib import Path
 
 import pytest
-import yaml
 
 from optimizer.ledger.model_states import transformer_items
 from optimizer.study.errors import UserError
@@ -18,27 +16,15 @@ from optimizer.study.inventory import InventoryTensor, ParameterInventory
 from optimizer.study.knobs import Candidate, NoCheckpointing, OffloadDevice, Precision, ZeroStage
 from optimizer.study.specs import ActivationSource, HardwareSpec, TrainingSpec, TransformerModel
 from optimizer.study.study_file import load_study
-
-LLAMA = json.loads((Path(__file__).parents[1] / "examples" / "tiny-llama" / "config.json").read_text())
-
-
-def _study(tmp_path: Path, *, training_extra: dict, model: dict | None = None) -> Path:
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
-    raw = {"name": "t", "model": model or {"kind": "transformer", "hf_config": "config.json", "attention": "eager"},
-           "hardware": {"accelerator": "cpu", "gpus_per_node": 2, "gpu_memory": "1 GiB"},
-           "training": {"global_batch_size": 8, "micro_batch_size": 2, "sequence_length": 32, **training_extra},
-           "search_space": {"knobs": {"zero_stage": [0, 3]}}}
-    path = tmp_path / "study.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
+from tests.tiny_llama_study import llama_study
 
 
 def test_the_key_is_a_boolean_on_the_model_spec_and_in_what_the_ranks_build(tmp_path):
     from launchers.trial import model_dict
 
-    study = load_study(_study(tmp_path, training_extra={"reference_model": True}))
+    study = load_study(llama_study(tmp_path, training_extra={"reference_model": True}))
     assert study.model.reference_model and model_dict(study.model)["reference_model"] is True
-    plain = load_study(_study(tmp_path, training_extra={}))
+    plain = load_study(llama_study(tmp_path, training_extra={}))
     assert "reference_model" not in model_dict(plain.model)  # a study without it: every cache key as before
 
 
@@ -49,7 +35,7 @@ def test_the_key_is_a_boolean_on_the_model_spec_and_in_what_the_ranks_build(tmp_
 ])
 def test_a_bad_reference_model_is_refused_by_its_key(tmp_path, training_extra, model, key):
     with pytest.raises(UserError) as err:
-        load_study(_study(tmp_path, training_extra=training_extra, model=model))
+        load_study(llama_study(tmp_path, training_extra=training_extra, model=model))
     assert err.value.key == key
 
 
@@ -174,14 +160,15 @@ def test_the_traced_step_holds_the_references_forward_on_top_of_the_policys_acti
 def test_the_export_says_which_setup_it_was_planned_for(tmp_path):
     from optimizer.results.export import planned_setup
 
-    plain = load_study(_study(tmp_path, training_extra={}))
+    plain = load_study(llama_study(tmp_path, training_extra={}))
     assert planned_setup(plain) == "planned for: a full fine-tune (every parameter trains)"
-    lora = load_study(_study(tmp_path, training_extra={"reference_model": True}, model={
+    lora = load_study(llama_study(tmp_path, training_extra={"reference_model": True}, model={
         "kind": "transformer", "hf_config": "config.json", "attention": "eager",
         "peft": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}}))
     text = planned_setup(lora)
     assert "PEFT LoRA r=4, lora_alpha=8.0, target_modules=['q_proj', 'v_proj']" in text
     assert "the base with the adapters disabled" in text
-    frozen = load_study(_study(tmp_path, training_extra={"frozen": ["model.embed_tokens.*"], "reference_model": True}))
+    frozen = load_study(llama_study(tmp_path, training_extra={"frozen": ["model.embed_tokens.*"],
+                                                              "reference_model": True}))
     assert "frozen parameters model.embed_tokens.*" in planned_setup(frozen) and "prepare_deepspeed" in \
         planned_setup(frozen)

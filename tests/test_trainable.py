@@ -12,6 +12,7 @@ import yaml
 from optimizer.study.errors import UserError
 from optimizer.study.peft_section import frozen_by, parse_frozen, parse_peft
 from optimizer.study.study_file import load_study
+from tests.tiny_llama_study import LLAMA, llama_study
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -21,21 +22,8 @@ from optimizer.cli import main  # noqa: E402
 
 FAMILIES = {name: entry["config"] for name, entry in
             json.loads((Path(__file__).with_name("data") / "hf_families.json").read_text()).items()}
-LLAMA = json.loads((Path(__file__).parents[1] / "examples" / "tiny-llama" / "config.json").read_text())
 
 
-def _study(tmp_path: Path, *, model_extra: dict | None = None, training_extra: dict | None = None,
-           config: dict | None = None) -> Path:
-    (tmp_path / "config.json").write_text(json.dumps(config or LLAMA))
-    raw = {"name": "t", "model": {"kind": "transformer", "hf_config": "config.json", "attention": "eager",
-                                  **(model_extra or {})},
-           "hardware": {"accelerator": "cpu", "gpus_per_node": 2, "gpu_memory": "1 GiB"},
-           "training": {"global_batch_size": 8, "micro_batch_size": 2, "sequence_length": 32,
-                        **(training_extra or {})},
-           "search_space": {"knobs": {"zero_stage": [0, 3]}}}
-    path = tmp_path / "study.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
 
 
 def test_an_inline_lora_setup_becomes_canonical_json_with_yaml_11_numbers_read_as_numbers(tmp_path):
@@ -111,7 +99,7 @@ def _peft_counts(config: dict, lora: dict) -> tuple[int, int]:
 def test_the_inventory_counts_what_trains_as_peft_does(tmp_path, family):
     config = LLAMA if family == "llama" else FAMILIES[family]
     lora = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
-    study = with_inventory(load_study(_study(tmp_path, model_extra={"peft": lora}, config=config)))
+    study = with_inventory(load_study(llama_study(tmp_path, model_extra={"peft": lora}, config=config)))
     inventory = study.model.inventory
     trainable, total = _peft_counts(config, lora)
     assert (inventory.trainable_parameters, inventory.parameters) == (trainable, total)
@@ -120,7 +108,7 @@ def test_the_inventory_counts_what_trains_as_peft_does(tmp_path, family):
 
 def test_frozen_globs_leave_exactly_the_unmatched_parameters_trainable(tmp_path):
     frozen = ["model.embed_tokens.*", "model.layers.0.*"]
-    study = with_inventory(load_study(_study(tmp_path, training_extra={"frozen": frozen})))
+    study = with_inventory(load_study(llama_study(tmp_path, training_extra={"frozen": frozen})))
     inventory = study.model.inventory
     settings = dict(LLAMA)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(settings.pop("model_type"),
@@ -138,7 +126,7 @@ def test_frozen_globs_leave_exactly_the_unmatched_parameters_trainable(tmp_path)
 ])
 def test_a_setup_that_does_not_fit_the_model_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, model_extra,
                                                                                      training_extra, key, needle):
-    path = _study(tmp_path, model_extra=model_extra, training_extra=training_extra)
+    path = llama_study(tmp_path, model_extra=model_extra, training_extra=training_extra)
     before = sorted(p.name for p in tmp_path.iterdir())
     assert main(["ledger", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -147,7 +135,7 @@ def test_a_setup_that_does_not_fit_the_model_is_one_line_exit_2_and_writes_nothi
 
 
 def test_ledger_json_says_what_trains(tmp_path, capsys):
-    path = _study(tmp_path, model_extra={"peft": {"r": 4, "target_modules": ["q_proj", "v_proj"]}})
+    path = llama_study(tmp_path, model_extra={"peft": {"r": 4, "target_modules": ["q_proj", "v_proj"]}})
     assert main(["ledger", str(path), "--json"]) == 0
     inventory = json.loads(capsys.readouterr().out)["inventory"]
     trainable, total = _peft_counts(LLAMA, {"r": 4, "target_modules": ["q_proj", "v_proj"]})

@@ -214,7 +214,7 @@ def build_model(model_spec: dict[str, Any], *, checkpointing: str, dtype: torch.
         from launchers.workloads.hf_model import build_hf_model
 
         return build_hf_model(model_spec["hf_config"], attention=model_spec["attention"], checkpointing=checkpointing,
-                              dtype=dtype or torch.get_default_dtype())
+                              dtype=dtype or torch.get_default_dtype(), lm_head=model_spec.get("lm_head", "logits"))
     return GPT(model_spec, checkpointing=checkpointing)
 
 

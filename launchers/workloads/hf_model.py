@@ -11,7 +11,10 @@ selective recompute; the constraints mark such candidates invalid.
 
 The wrapper's ``forward(tokens)`` returns the same next-token cross-entropy as the built-in GPT (inputs
 ``tokens[:, :-1]``, targets ``tokens[:, 1:]``, FP32 logits), so the synthetic data and the loss-fidelity
-check are shared.
+check are shared. With ``model.lm_head: trl_fused`` the model gets TRL's fused head
+(``trl.trainer.utils.add_fused_lm_head``, as TRL 1.16's trainers add it) and the same mean negative log-likelihood
+comes from ``forward(..., shift_labels=targets, fused_lm_head=True).loss`` — TRL's ``ChunkedLogProbFunction``, its
+tiles and no logits (where Triton runs it scores only the labelled positions; everywhere else, and here, all).
 """
 
 from __future__ import annotations
@@ -30,18 +33,24 @@ ATTENTION = {"eager": "eager", "fused": "sdpa"}
 class HfCausalLM(nn.Module):
     """A ``transformers`` causal LM whose ``forward(tokens)`` returns the scalar loss."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, *, fused_head: bool = False) -> None:
         super().__init__()
         self.inner = inner
+        self.fused_head = fused_head
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.fused_head:  # TRL's head (module doc): the loss without logits
+            return self.inner(input_ids=tokens[:, :-1], shift_labels=tokens[:, 1:], use_cache=False,
+                              fused_lm_head=True).loss
         logits = self.inner(input_ids=tokens[:, :-1], use_cache=False).logits
         return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def build_hf_model(config: dict[str, Any], *, attention: str, checkpointing: str, dtype: torch.dtype) -> HfCausalLM:
+def build_hf_model(config: dict[str, Any], *, attention: str, checkpointing: str, dtype: torch.dtype,
+                   lm_head: str = "logits") -> HfCausalLM:
     """The model of ``config`` with random weights in ``dtype`` (the config's own ``torch_dtype``/``dtype`` is
-    overridden: a Llama-2 config says float16 even for an FP32 run), checkpointed as ``checkpointing`` says.
+    overridden: a Llama-2 config says float16 even for an FP32 run), checkpointed as ``checkpointing`` says, with
+    TRL's fused head where ``lm_head`` is ``trl_fused`` (module doc).
     Under an ``HfDeepSpeedConfig`` of stage 3 the library builds it under ``deepspeed.zero.Init``."""
     try:
         import transformers
@@ -66,6 +75,12 @@ def build_hf_model(config: dict[str, Any], *, attention: str, checkpointing: str
             if not hasattr(layer, "gradient_checkpointing"):  # before GradientCheckpointingLayer (4.53)
                 raise RuntimeError(f"{type(layer).__name__} has no per-layer checkpointing flag; upgrade transformers")
             layer.gradient_checkpointing = index in recompute
+    if lm_head == "trl_fused":
+        try:
+            from trl.trainer.utils import add_fused_lm_head
+        except ImportError as err:
+            raise RuntimeError("model.lm_head: trl_fused needs the trl package: pip install trl") from err
+        add_fused_lm_head(inner)  # before PEFT wraps the model, as TRL's trainers add it
     inner.train()
-    return HfCausalLM(inner)
+    return HfCausalLM(inner, fused_head=lm_head == "trl_fused")
 

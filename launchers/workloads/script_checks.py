@@ -1,6 +1,6 @@
 """What the script hook checks, without a rank (:mod:`launchers.workloads.script_hook`): whether a process is a
 rank to measure, whether the engine the script built is the candidate's, whether its forward recomputes as the
-candidate's ``checkpointing`` asks, and what batch a forward sees."""
+candidate's ``checkpointing`` asks, and what batch a forward sees and whether it is the candidate's."""
 
 from __future__ import annotations
 
@@ -93,3 +93,21 @@ def ended_early(*, engine_seen: bool, frozen_engines: int, done: int, warmup: in
     return (f"the script ended after {done} optimizer step(s); the trial measures {warmup + measured} (warm-up "
             f"{warmup} + measured {measured}): let it run at least {{max_steps}} steps (a placeholder for the "
             "script's step limit)")
+
+
+def batch_mismatch(plan: dict[str, Any], first_batch: int | None) -> str | None:
+    """Why the rows of the first batch the engine's forward saw are not the candidate's micro-batch (pure):
+    ``plan["expect"]["micro_batch_size"]`` samples of ``training.sequences_per_sample`` rows each
+    (``rows_per_micro_batch``; a DPO pair runs as two). A batch that is a multiple of a one-row micro-batch hints
+    at the key."""
+    expect = plan["expect"]
+    micro = expect["micro_batch_size"]
+    rows = expect.get("rows_per_micro_batch", micro)
+    if first_batch is None or first_batch == rows:
+        return None
+    sequences = f" samples of {rows // micro} sequences each: {rows} rows" if rows != micro else ""
+    hint = (" — does each sample run as several sequences (a DPO pair runs its chosen and rejected completions)? "
+            "Set training.sequences_per_sample" if rows == micro and first_batch % micro == 0 else "")
+    return (f"micro_batch_size: the candidate's is {micro}{sequences}, the script fed its engine batches of "
+            f"{first_batch} rows (does the command pass {{micro_batch_size}}, or does the script take the batch size "
+            f"from the DeepSpeed config?){hint}")

@@ -50,6 +50,7 @@ from typing import Any
 
 from launchers.workloads.after_import import AfterImport
 from launchers.workloads.script_checks import (
+    batch_mismatch,
     batch_shape,
     checkpointing_mismatch,
     ended_early,
@@ -290,11 +291,9 @@ def _end_warmup() -> None:
     wrong = checkpointing_mismatch(state.plan, state.forward_calls)
     if wrong:
         _finish("crash", error_type="NotTheCandidate", message=wrong, code=1)
-    micro = state.plan["expect"]["micro_batch_size"]
-    if state.first_batch is not None and state.first_batch != micro:
-        _finish("crash", error_type="NotTheCandidate", code=1, message=f"micro_batch_size: the candidate's is "
-                f"{micro}, the script fed its engine batches of {state.first_batch} (does the command pass "
-                "{micro_batch_size}, or does the script take the batch size from the DeepSpeed config?)")
+    wrong = batch_mismatch(state.plan, state.first_batch)
+    if wrong:
+        _finish("crash", error_type="NotTheCandidate", code=1, message=wrong)
 
 
 def _measurements() -> dict[str, Any]:

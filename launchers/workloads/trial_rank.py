@@ -179,13 +179,13 @@ def _peak_rss_bytes() -> int:
 
 
 def _step_batches(batch_fn: Any, *, step: int, rank: int, micro: int, accumulation: int,
-                  device: torch.device) -> list[Any]:
-    """The step's micro-batches of this rank, built before the step is timed (data is not the workload)."""
-    per_rank = micro * accumulation
+                  device: torch.device, sequences: int = 1) -> list[Any]:
+    """The step's micro-batches of this rank, built before the step is timed (data is not the workload); sample i's
+    rows i·sequences + k stacked as TRL's DPO collator does, all k = 0 first (``dpo_trainer.py:349-352``)."""
     batches = []
     for micro_index in range(accumulation):
-        first = rank * per_rank + micro_index * micro
-        batch = batch_fn(step, list(range(first, first + micro)))
+        first = (rank * accumulation + micro_index) * micro
+        batch = batch_fn(step, [i * sequences + k for k in range(sequences) for i in range(first, first + micro)])
         batches.append(batch.to(device) if isinstance(batch, torch.Tensor) else batch)
     return batches
 
@@ -294,7 +294,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
                 if stopped_at is not None:
                     break
         batches = _step_batches(batch_fn, step=done, rank=rank, micro=micro, accumulation=accumulation,
-                                device=engine.device)
+                                device=engine.device, sequences=int(plan["model"].get("sequences_per_sample", 1)))
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()

@@ -58,18 +58,20 @@ def counted(study: StudySpec) -> StudySpec:
         return with_inventory(study)
     return study
 
-def prepared_study(study: StudySpec, *, candidates: Sequence[Candidate] | None = None) -> StudySpec:
+def prepared_study(study: StudySpec, *, candidates: Sequence[Candidate] | None = None,
+                   also: Sequence[Candidate] = ()) -> StudySpec:
     """The (already checked) study with the parameter inventory of a ``transformers`` or entry-point model (built
     on fake tensors, cached; one warning and the shape's layout when it cannot be built) and its model traced when
     it says ``activations: trace`` or ``auto``, the default (cached; a failed trace warns on stderr and leaves the
-    formula in place) — for ``candidates`` only when given (one ``--set``), else for the whole search space.
+    formula in place) — for ``candidates`` only when given (one ``--set``), else for the whole search space and
+    the candidates in ``also`` (a trial's ``--set``, which may lie outside it).
 
     This is the first step that builds or writes anything: every command checks all its input before it."""
     study = counted(study)
     if isinstance(study.model, TransformerModel) and study.model.wants_trace:
         from launchers.study_traces import with_traced_activations
 
-        study = with_traced_activations(study, candidates=candidates)
+        study = with_traced_activations(study, candidates=candidates, also=also)
     return study
 
 

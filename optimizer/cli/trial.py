@@ -28,7 +28,8 @@ def run(args: argparse.Namespace) -> int:
     runnable_model(study, what="run")
     candidate = checked_candidate(study, args.set)
     gpus = check_devices(study)
-    study = prepared_study(study)  # the whole space: the FP32 reference is the fastest FP32 variant that fits
+    # the whole space (the FP32 reference is the fastest FP32 variant that fits) and the candidate, in it or not
+    study = prepared_study(study, also=[candidate])
     spec = {"model": study.model, "hardware": study.hardware, "training": study.training}
     verdict = evaluate(candidate=candidate, **spec)
     if verdict.ledger is None:  # checked above; the inventory cannot make a valid candidate invalid

@@ -81,7 +81,7 @@ def activation_items(*, model: TransformerModel, candidate: Candidate, sequence_
     else:
         source = f"formula: {KORTHIKANTI}"
     act = activation_estimate(model, checkpointing=candidate.checkpointing, seq=sequence_length,
-                              micro_batch=candidate.micro_batch_size, element_bytes=element_bytes)
+                              micro_batch=model.rows(candidate.micro_batch_size), element_bytes=element_bytes)
     items = [LedgerItem(name=f"activations kept for backward ({candidate.checkpointing})",
                         category=Category.ACTIVATIONS, location=Location.GPU, bytes=act.stored_bytes,
                         formula=act.formula.split(", +")[0], source=source, phase=Phase.BACKWARD)]

@@ -3,7 +3,8 @@
 The step is split into *work* (what the candidate makes the hardware do) and *rates* (how fast the
 hardware does it), so that calibration (:mod:`optimizer.perf.calibration`) can refit the rates from measured
 trials without touching the work. Per optimizer step and rank, with Ψ parameters, W data-parallel ranks,
-G = global batch, s sequence length, T = G·s/W tokens per rank, M = G/(micro-batch·W) micro-steps:
+G = global batch, s sequence length, T = G·n·s/W tokens per rank (n = 1 unless each sample runs n rows, below),
+M = G/(micro-batch·W) micro-steps:
 
 * **compute** — forward FLOPs per token F = 2·N + 2·L·s·h (Kaplan et al. 2020, "Scaling Laws for Neural
   Language Models", Table 1: N non-embedding parameters, plus the attention scores; the LM head's 2·V·h
@@ -37,6 +38,12 @@ G = global batch, s sequence length, T = G·s/W tokens per rank, M = G/(micro-ba
   candidate: its forward, input-gradient and recomputed GEMMs at the fp32 peak), each weight is dequantized for every
   matmul (device-memory traffic at the HBM rate, :mod:`optimizer.perf.four_bit_work`), and ZeRO-3 gathers and
   parameter offload move the packed bytes, not 16-bit weights.
+* **rows and the reference** — ``training.sequences_per_sample`` rows run per sample (a DPO pair's chosen and
+  rejected completions, stacked into one batch: ``trl/trainer/dpo_trainer.py:349-352``), so T counts G·n·s/W
+  tokens; ``training.reference_model`` adds one forward of the reference per micro-step on the same rows
+  (``dpo_trainer.py:1319-1336``, under ``no_grad``: F·T more FLOPs, one more dequantization of a 4-bit base, and at
+  ZeRO-3 one more gather of the held parameters, Ψ·b·(W−1)/W per micro-step, and their PCIe crossing where they
+  are offloaded — the copy TRL partitions like the policy, or the policy itself with its adapters disabled).
 * **overhead** — a fixed time per micro-step that depends on the ZeRO stage (hooks, bucketing, launches).
   Unknown a priori (0 on GPUs before calibration); on CPU ranks it dominates small models.
 
@@ -186,7 +193,8 @@ def work(*, candidate: Candidate, model: TransformerModel, hardware: HardwareSpe
     """The work of one optimizer step per rank for ``candidate`` (module doc for each formula)."""
     ranks = hardware.world_size
     micro = gradient_accumulation_steps(candidate=candidate, hardware=hardware, training=training)
-    tokens = training.global_batch_size * training.sequence_length // ranks
+    tokens = model.rows(training.global_batch_size) * training.sequence_length // ranks
+    reference = 1 if model.reference_model else 0  # its forward per micro-step (module doc)
     L, h, s, V = model.layers, model.hidden_size, training.sequence_length, model.vocab_size
     psi, psi_tr = parameter_count(model), trainable_count(model)
     embedding = V * h + (model.max_positions * h if model.position_embedding.value == "learned" else 0)
@@ -211,12 +219,12 @@ def work(*, candidate: Candidate, model: TransformerModel, hardware: HardwareSpe
         recompute = attention
     else:
         recompute = 0
-    flops = float(tokens * (forward + backward + recompute))
+    flops = float(tokens * (forward + backward + recompute + reference * forward))
     b = 4 if candidate.precision is Precision.FP32 else 2
     recomputed_blocks = (1.0 if isinstance(ckpt, FullCheckpointing) else (L // ckpt.k) / L
                          if isinstance(ckpt, EveryKCheckpointing) else 0.0)  # selective recomputes no weight GEMM
     four_bit = four_bit_work(model=model, training_bytes=b, tokens=tokens, micro_steps=micro,
-                             recomputed=recomputed_blocks)
+                             recomputed=recomputed_blocks + reference)  # the reference's forward: one more
     other_flops = min(four_bit.other_precision_flops, flops)
     flops -= other_flops
     held = psi * b - four_bit.elements * b + four_bit.packed_bytes  # what ZeRO-3 gathers and offloads (bytes)
@@ -228,7 +236,7 @@ def work(*, candidate: Candidate, model: TransformerModel, hardware: HardwareSpe
     elif stage is ZeroStage.GRADIENTS:
         comm = ring * psi_tr * b * (micro + 1)
     else:
-        comm_z3 = ring * (2 * held + psi_tr * b) * micro
+        comm_z3 = ring * ((2 + reference) * held + psi_tr * b) * micro
     partition, trained = held / ranks, psi_tr / ranks
     pcie = host = nvme = 0.0
     if candidate.offload_optimizer is not OffloadDevice.NONE:
@@ -237,9 +245,9 @@ def work(*, candidate: Candidate, model: TransformerModel, hardware: HardwareSpe
         if candidate.offload_optimizer is OffloadDevice.NVME:
             nvme += 2 * 12 * trained
     if candidate.offload_param is not OffloadDevice.NONE:
-        pcie += 2 * micro * partition
+        pcie += (2 + reference) * micro * partition
         if candidate.offload_param is OffloadDevice.NVME:
-            nvme += 2 * micro * partition
+            nvme += (2 + reference) * micro * partition
     fp32 = candidate.precision is Precision.FP32
     return Work(flops=flops, comm_bytes=comm, comm_bytes_z3=comm_z3, pcie_bytes=pcie, host_params=host,
                 nvme_bytes=nvme, micro_steps=micro, stage=stage, tokens=tokens, precision=candidate.precision,

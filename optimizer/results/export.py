@@ -94,6 +94,11 @@ def planned_setup(spec: StudySpec) -> str:
                                                         if model.peft is not None else
                                                         "(a copy at ZeRO stage 0 unless 3, no optimizer: TRL's "
                                                         "prepare_deepspeed)"))
+        if model.sequences_per_sample != 1:
+            parts.append(f"{model.sequences_per_sample} sequences per sample (the engine sees "
+                         f"{model.sequences_per_sample} × the micro-batch rows: a DPO pair's chosen and rejected)")
+        if model.lm_head == "trl_fused":
+            parts.append("TRL's fused LM head (add_fused_lm_head: log-probabilities in tiles, no logits)")
     return "planned for: " + ("; ".join(parts) if parts else "a full fine-tune (every parameter trains)")
 
 

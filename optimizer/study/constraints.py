@@ -24,6 +24,8 @@ Nothing here fixes a candidate: it returns reasons, and the caller reports them.
 
 from __future__ import annotations
 
+from importlib import metadata
+
 from optimizer.study.knobs import Candidate, EveryKCheckpointing, OffloadDevice, SelectiveCheckpointing, ZeroStage
 from optimizer.study.quantization_section import FourBitBase, bitsandbytes_missing
 from optimizer.study.specs import HardwareSpec, ModelInit, ModelSpec, SeedModel, TrainingSpec, TransformerModel
@@ -74,10 +76,21 @@ def invalid_reasons(
         missing = bitsandbytes_missing()
         if missing:
             reasons.append(missing)
+    if isinstance(model, TransformerModel) and model.lm_head == "trl_fused" and not _installed("trl"):
+        reasons.append("model.lm_head: trl_fused needs the trl package where trials run (pip install trl)")
     if isinstance(model, SeedModel) and model.activation_bytes_for(ckpt) is None:
         stated = ", ".join(sorted(model.activation_bytes))
         reasons.append(f"the study states no activation figure for checkpointing={ckpt} (stated: {stated})")
     return tuple(reasons)
+
+
+def _installed(package: str) -> bool:
+    """Whether ``package`` is installed here (its metadata; nothing is imported)."""
+    try:
+        metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def gradient_accumulation_steps(*, candidate: Candidate, hardware: HardwareSpec, training: TrainingSpec) -> int:

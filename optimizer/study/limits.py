@@ -25,6 +25,9 @@ MAX_TOKENS = 1 << 28
 Scout, 2025)."""
 MAX_BATCH = 1 << 24
 """Sequences per global or micro-batch (16,777,216). GPT-3's batch was 3.2 M tokens = 1,563 sequences of 2,048."""
+MAX_SEQUENCES_PER_SAMPLE = 1 << 10
+"""Sequences the model runs per sample (1,024): 2 for a DPO pair; a best-of-n or group method (GRPO's group of
+completions per prompt, typically 4-64) runs more."""
 MAX_DEVICES = 1 << 20
 """Nodes, devices per node, devices in all (1,048,576). Largest training jobs: ~100,000 GPUs (2024–2025)."""
 MAX_DEVICE_BYTES = 1 << 44

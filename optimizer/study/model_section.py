@@ -27,6 +27,7 @@ from optimizer.study.knobs import Precision, parse_checkpointing
 from optimizer.study.peft_section import parse_peft
 from optimizer.study.quantization_section import parse_quantization
 from optimizer.study.specs import (
+    LM_HEADS,
     ActivationSource,
     AttentionKind,
     MlpKind,
@@ -56,14 +57,19 @@ def activation_table(value: Any) -> dict[str, int]:
 
 
 def parse_model(section: Section, *, sequence_length: int, study_dir: Path,
-                frozen: tuple[str, ...] = (), reference_model: bool = False) -> ModelSpec:
+                frozen: tuple[str, ...] = (), reference_model: bool = False,
+                sequences_per_sample: int = 1) -> ModelSpec:
     """The ``model`` section; ``frozen`` is ``training.frozen`` (what of this model does not train),
-    ``reference_model`` is ``training.reference_model`` (a frozen copy held beside it)."""
+    ``reference_model`` is ``training.reference_model`` (a frozen copy held beside it), ``sequences_per_sample`` is
+    ``training.sequences_per_sample`` (rows the model runs per sample)."""
     kind = section.get("kind", as_enum_str(("seed", "transformer")))
     peft = section.get("peft", lambda v: parse_peft(v, source=section.source, key=section.full_key("peft"),
                                                      study_dir=study_dir), None)
     quantization = section.get("quantization", lambda v: parse_quantization(
         v, source=section.source, key=section.full_key("quantization")), None)
+    if "lm_head" in section.raw and "hf_config" not in section.raw:
+        raise UserError(source=section.source, key=section.full_key("lm_head"), why="a head other than the model's "
+                        "own is TRL's fused head on a transformers model: give the model as hf_config (a config.json)")
     if quantization is not None and "hf_config" not in section.raw:
         raise UserError(source=section.source, key=section.full_key("quantization"), why="a 4-bit base is what "
                         "transformers' bitsandbytes quantizer makes of a transformers model: give the model as "
@@ -73,6 +79,10 @@ def parse_model(section: Section, *, sequence_length: int, study_dir: Path,
                else section.full_key("quantization") if quantization is not None else "training.reference_model")
         raise UserError(source=section.source, key=key, why="a seed-mode model states its parameters as one "
                         "number: what trains needs a transformer model (hf_config, shape keys or an entry point)")
+    if kind == "seed" and sequences_per_sample != 1:
+        raise UserError(source=section.source, key="training.sequences_per_sample", why="a seed-mode model states "
+                        "its activation bytes per micro-batch of samples already: give them for the rows it runs, "
+                        "or describe the model as a transformer (hf_config, shape keys or an entry point)")
     try:
         if kind == "seed":
             model: ModelSpec = SeedModel(
@@ -87,6 +97,8 @@ def parse_model(section: Section, *, sequence_length: int, study_dir: Path,
                 attention=section.get("attention", as_enum(AttentionKind), AttentionKind.EAGER),
                 activations=section.get("activations", as_enum(ActivationSource), ActivationSource.AUTO),
                 peft=peft, frozen=frozen, reference_model=reference_model, quantization=quantization,
+                sequences_per_sample=sequences_per_sample,
+                lm_head=section.get("lm_head", as_enum_str(LM_HEADS), "logits"),
             )
         else:
             heads = section.get("heads", count_within(limits.MAX_WIDTH, "attention head count"))
@@ -109,6 +121,7 @@ def parse_model(section: Section, *, sequence_length: int, study_dir: Path,
                 entry_point=section.get("entry_point", as_entry_point, None),
                 activations=section.get("activations", as_enum(ActivationSource), ActivationSource.AUTO),
                 peft=peft, frozen=frozen, reference_model=reference_model,
+                sequences_per_sample=sequences_per_sample,
             )
     except ValueError as err:
         raise spec_error(section, err) from None

@@ -112,6 +112,14 @@ class SeedModel:
         """Stated activation bytes for ``checkpointing``, or None when the study gives none."""
         return self.activation_bytes.get(str(checkpointing))
 
+    def rows(self, micro_batch: int) -> int:
+        """The rows a micro-batch runs: one per sample (a seed model has no ``sequences_per_sample``)."""
+        return micro_batch
+
+
+LM_HEADS = ("logits", "trl_fused")
+"""The values of :attr:`TransformerModel.lm_head`."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TransformerModel:
@@ -166,6 +174,19 @@ class TransformerModel:
     """A frozen reference copy runs beside the trained model (the study's ``training.reference_model``: DPO,
     distillation), held as TRL's ``prepare_deepspeed`` holds it (docs/ledger.md, "A reference model"); with
     ``peft`` the reference is the base with the adapters disabled, and no copy exists."""
+    lm_head: str = "logits"
+    """How the script's forward turns the last hidden states into the loss (the study's ``model.lm_head``):
+    ``logits``, the model's own head and a cross-entropy over the ``[rows, seq, vocab]`` logits; ``trl_fused``,
+    TRL's fused head (``trl/trainer/utils.py`` ``add_fused_lm_head``, which every TRL 1.16 trainer adds:
+    ``ChunkedLogProbFunction``, ``trl/kernels/chunked_logprob.py:299-430``) — no logits, one
+    ``[min(N, 4096), 32768]`` tile in the compute dtype in forward and again in backward, whatever the vocabulary.
+    Traced and run with TRL's own code (``hf_config`` models)."""
+    sequences_per_sample: int = 1
+    """Sequences the model runs per sample of the micro-batch (the study's ``training.sequences_per_sample``): 2 for
+    TRL's ``DPOTrainer``, whose collator stacks each pair's chosen and rejected completions into one batch of
+    2 × micro-batch rows (``trl/trainer/dpo_trainer.py:317-352``) that the policy and the reference both run. The
+    activations, the traced step, the FLOPs and the tokens count those rows; the DeepSpeed micro-batch stays the
+    samples (pairs)."""
     activations: ActivationSource = ActivationSource.FORMULA
     """Where the ledger's activation bytes come from."""
     traced_activations: tuple[TracedActivation, ...] = ()
@@ -193,6 +214,17 @@ class TransformerModel:
             raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
         if self.entry_point is not None and self.hf_config is not None:
             raise ValueError("give either entry_point or hf_config, not both: each says how trials build the model")
+        if self.lm_head not in LM_HEADS:
+            raise ValueError(f"lm_head must be one of {', '.join(LM_HEADS)}, got {self.lm_head!r}")
+        if self.lm_head != "logits" and self.hf_config is None:
+            raise ValueError("lm_head: trl_fused is TRL's head on a transformers model: give the model as hf_config")
+        if isinstance(self.sequences_per_sample, bool) or not isinstance(self.sequences_per_sample, int) \
+                or self.sequences_per_sample < 1:
+            raise ValueError(f"sequences_per_sample must be a positive integer, got {self.sequences_per_sample!r}")
+
+    def rows(self, micro_batch: int) -> int:
+        """The rows a micro-batch of ``micro_batch`` samples runs through the model (``sequences_per_sample`` each)."""
+        return micro_batch * self.sequences_per_sample
 
     @property
     def counted_from_code(self) -> bool:

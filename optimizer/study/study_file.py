@@ -100,11 +100,14 @@ class StudySpec:
         return self.path.parent / self.name
 
 
-def _parse_training(section: Section) -> tuple[TrainingSpec, tuple[str, ...], bool]:
-    """The training section, ``training.frozen`` and ``training.reference_model`` (both kept on the model spec: they
-    say what of the model trains and what the ranks build beside it)."""
-    frozen = section.get("frozen", parse_frozen, ())
-    reference = section.get("reference_model", as_bool, False)
+def _parse_training(section: Section) -> tuple[TrainingSpec, dict[str, Any]]:
+    """The training section, and ``training.frozen``, ``training.reference_model`` and
+    ``training.sequences_per_sample`` as :func:`parse_model`'s keyword arguments (kept on the model spec: they say
+    what of the model trains, what the ranks build beside it and how many rows it runs per sample)."""
+    extras = {"frozen": section.get("frozen", parse_frozen, ()),
+              "reference_model": section.get("reference_model", as_bool, False),
+              "sequences_per_sample": section.get("sequences_per_sample",
+                                                  count_within(limits.MAX_SEQUENCES_PER_SAMPLE, "sequences"), 1)}
     return built(section, lambda: TrainingSpec(
         global_batch_size=section.get("global_batch_size", count_within(limits.MAX_BATCH, "batch")),
         micro_batch_size=section.get("micro_batch_size", count_within(limits.MAX_BATCH, "batch")),
@@ -113,7 +116,7 @@ def _parse_training(section: Section) -> tuple[TrainingSpec, tuple[str, ...], bo
         learning_rate=section.get("learning_rate", as_fraction, 1e-3),
         weight_decay=section.get("weight_decay", as_fraction, 0.0),
         model_init=section.get("model_init", as_enum(ModelInit), ModelInit.AUTO),
-    )), frozen, reference
+    )), extras
 
 
 def _tolerances(value: Any) -> tuple[tuple[Precision, float], ...]:
@@ -233,14 +236,12 @@ def load_study(path: str | Path) -> StudySpec:
     top = Section(raw if raw is not None else {}, source=source, key="")
     name = top.get("name", as_study_name, study_path.stem)
     top.get("description", as_text, "")
-    training, frozen, reference = _parse_training(Section(top.get("training", lambda v: v), source=source,
-                                                          key="training"))
+    training, extras = _parse_training(Section(top.get("training", lambda v: v), source=source, key="training"))
     model = parse_model(
         Section(top.get("model", lambda v: v), source=source, key="model"),
         sequence_length=training.sequence_length,
         study_dir=study_path.parent,
-        frozen=frozen,
-        reference_model=reference,
+        **extras,
     )
     hardware = parse_hardware(Section(top.get("hardware", lambda v: v), source=source, key="hardware"))
     space = _parse_space_ref(top.get("search_space", lambda v: v), study_path=study_path)

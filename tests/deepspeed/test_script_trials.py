@@ -40,11 +40,15 @@ def _dsopt(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     ("accelerate", "accelerate", 2),
     ("peft_lora", "peft-lora", 1),  # HF Trainer + PEFT LoRA: the study's model.peft is the script's LoraConfig
     ("qlora_trainer", "qlora-trainer", 1),  # + bitsandbytes 4-bit: model.quantization is its BitsAndBytesConfig
+    # TRL's DPOTrainer: its reference's engine (no optimizer) made first, pairs of rows, TRL's fused head
+    ("trl_dpo", "trl-dpo", 1),
 ])
 def test_an_example_is_tuned_and_its_export_trains_without_dsopt_as_measured(tmp_path, example, name, ranks):
     pytest.importorskip("transformers")
     if example == "qlora_trainer":
         pytest.importorskip("bitsandbytes")
+    if example == "trl_dpo":
+        pytest.importorskip("trl")
     study = _examples(tmp_path) / example / "study.yaml"
     run = _dsopt("study", "run", str(study), "--n-trials", "2", cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
@@ -63,6 +67,13 @@ def test_an_example_is_tuned_and_its_export_trains_without_dsopt_as_measured(tmp
     measured = json.loads(next((study.parent / name / "trials").glob(label.replace(" ", "_") + "*/result.json"))
                           .read_text())
     trial_peak = max(r["peak_allocated_bytes"] for r in measured["ranks"])
+    if example == "trl_dpo":  # the plan is of what TRL runs: pairs of rows, the reference, TRL's head and its tile
+        knobs = re.fullmatch(r"z(\d) (\w+) ckpt=(\S+) mbs=(\d+)", label).groups()
+        sets = [a for k, v in zip(("zero_stage", "precision", "checkpointing", "micro_batch_size"), knobs, strict=True)
+                for a in ("--set", f"{k}={v}")]
+        ledger = _dsopt("ledger", str(study), *sets, "--json", cwd=tmp_path)
+        planned_peak = json.loads(ledger.stdout)["per_gpu"]["total"]
+        assert abs(planned_peak - trial_peak) <= 0.03 * trial_peak, (planned_peak, trial_peak)
     # The script, given the exported JSON and the arguments the export printed, run without dsopt.
     args = shlex.split(line.replace("{max_steps}", "6").replace("{trial_dir}", str(tmp_path / "plain")))[2:]
     plain = subprocess.run(
@@ -112,19 +123,3 @@ def test_a_script_trial_of_an_offloaded_candidate_checks_its_engine_and_trains(t
     result = json.loads(next((study.parent / "plain-deepspeed" / "trials").glob("z3_*/result.json")).read_text())
     assert result["outcome"] == "ok", result.get("message")
     assert "agreement with the FP32 baseline" in run.stdout and "ok)" in run.stdout, run.stdout
-
-
-def test_a_frozen_reference_engine_made_first_is_let_pass_and_the_policys_is_measured(tmp_path):
-    # TRL's DPOTrainer wraps the reference (prepare_deepspeed: no optimizer, stage 0 unless 3) before the Trainer
-    # makes the policy's engine; the hook measured the first engine, found stage 0 and stopped the trial.
-    pytest.importorskip("transformers")
-    examples = _examples(tmp_path)
-    shutil.copy(ROOT / "tests" / "scripts" / "reference_first.py", examples / "plain_deepspeed" / "reference_first.py")
-    study = examples / "plain_deepspeed" / "study.yaml"
-    study.write_text(re.sub(r"command: \[.*?\]", 'command: [python, reference_first.py, --deepspeed_config, '
-                            '"{ds_config}", --max-steps, "{max_steps}"]', study.read_text(), flags=re.S)
-                     .replace("checkpointing: [none, full]", "checkpointing: [none]"))
-    run = _dsopt("trial", str(study), "--set", "zero_stage=2", "--set", "checkpointing=none", cwd=tmp_path)
-    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    result = json.loads(next((study.parent / "plain-deepspeed" / "trials").glob("z2_*/result.json")).read_text())
-    assert result["outcome"] == "ok", result.get("message")
