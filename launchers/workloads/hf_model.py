@@ -13,8 +13,9 @@ The wrapper's ``forward(tokens)`` returns the same next-token cross-entropy as t
 ``tokens[:, :-1]``, targets ``tokens[:, 1:]``, FP32 logits), so the synthetic data and the loss-fidelity
 check are shared. With ``model.lm_head: trl_fused`` the model gets TRL's fused head
 (``trl.trainer.utils.add_fused_lm_head``, as TRL 1.16's trainers add it) and the same mean negative log-likelihood
-comes from ``forward(..., shift_labels=targets, fused_lm_head=True).loss`` — TRL's ``ChunkedLogProbFunction``, its
-tiles and no logits (where Triton runs it scores only the labelled positions; everywhere else, and here, all).
+comes from ``forward(input_ids=inputs, labels=inputs, fused_lm_head=True).loss`` as TRL's trainers call it (the
+head shifts the labels: s inputs, s − 1 scored positions) — TRL's ``ChunkedLogProbFunction``, its tiles and no
+logits (where Triton runs it scores only the labelled positions; everywhere else, and here, all).
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ class HfCausalLM(nn.Module):
         self.fused_head = fused_head
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.fused_head:  # TRL's head (module doc): the loss without logits
-            return self.inner(input_ids=tokens[:, :-1], shift_labels=tokens[:, 1:], use_cache=False,
-                              fused_lm_head=True).loss
+        if self.fused_head:  # TRL's head (module doc), as TRL's trainers call it: labels = the inputs, shifted
+            inputs = tokens[:, :-1]  # inside, so the s inputs score s − 1 positions (the last target goes unused)
+            return self.inner(input_ids=inputs, labels=inputs, use_cache=False, fused_lm_head=True).loss
         logits = self.inner(input_ids=tokens[:, :-1], use_cache=False).logits
         return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 

@@ -42,12 +42,13 @@ def _dsopt(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     ("qlora_trainer", "qlora-trainer", 1),  # + bitsandbytes 4-bit: model.quantization is its BitsAndBytesConfig
     # TRL's DPOTrainer: its reference's engine (no optimizer) made first, pairs of rows, TRL's fused head
     ("trl_dpo", "trl-dpo", 1),
+    ("trl_sft", "trl-sft", 1),  # TRL's SFTTrainer with a PEFT peft_config and its fused head
 ])
 def test_an_example_is_tuned_and_its_export_trains_without_dsopt_as_measured(tmp_path, example, name, ranks):
     pytest.importorskip("transformers")
     if example == "qlora_trainer":
         pytest.importorskip("bitsandbytes")
-    if example == "trl_dpo":
+    if example.startswith("trl_"):
         pytest.importorskip("trl")
     study = _examples(tmp_path) / example / "study.yaml"
     run = _dsopt("study", "run", str(study), "--n-trials", "2", cwd=tmp_path)
@@ -60,14 +61,15 @@ def test_an_example_is_tuned_and_its_export_trains_without_dsopt_as_measured(tmp
     assert export.returncode == 0, export.stdout + export.stderr
     line = re.search(r"train with it .*?: (.*)", export.stdout).group(1)
     planned = re.search(r"planned for: (.*)", export.stdout).group(1)
-    assert ("PEFT LoRA r=8" in planned) is (example in ("peft_lora", "qlora_trainer")), planned
+    assert ("PEFT LoRA r=8" in planned) is (example in ("peft_lora", "qlora_trainer", "trl_sft")), planned
     assert ("4-bit nf4" in planned) is (example == "qlora_trainer"), planned
     assert str(out) in line and "{max_steps}" in line, line
     label = re.search(r"picked trial #\d+ \(fastest\): (.*)", export.stdout).group(1)
     measured = json.loads(next((study.parent / name / "trials").glob(label.replace(" ", "_") + "*/result.json"))
                           .read_text())
     trial_peak = max(r["peak_allocated_bytes"] for r in measured["ranks"])
-    if example == "trl_dpo":  # the plan is of what TRL runs: pairs of rows, the reference, TRL's head and its tile
+    if example.startswith("trl_"):  # the plan is of what TRL runs: TRL's head and its tile (DPO: pairs of rows and
+        # the reference)
         knobs = re.fullmatch(r"z(\d) (\w+) ckpt=(\S+) mbs=(\d+)", label).groups()
         sets = [a for k, v in zip(("zero_stage", "precision", "checkpointing", "micro_batch_size"), knobs, strict=True)
                 for a in ("--set", f"{k}={v}")]
