@@ -285,10 +285,12 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                     model = build_model(model_spec, checkpointing=checkpointing)
                 # autograd keeps what the frozen/adapted model needs; the adapters in the training dtype, as the
                 # engine casts them — but not under ZeRO-3, where the model built by zero.Init is not cast
-                # (engine.py:1859-1862, 2077) and PEFT's adapters stay fp32 (lora/layer.py:1100 casts their input)
-                model = apply_trainable(model, model_spec, as_deepspeed_casts=not zero3)
-                if model_spec.get("quantization"):  # the 4-bit layers' dequantized weights, where they happen
-                    emulate_four_bit_matmuls(model, model_spec["quantization"])
+                # (engine.py:1859-1862, 2077) and PEFT's adapters stay fp32 (lora/layer.py:1100 casts their input).
+                # A quantized model is built without zero.Init (modeling_utils.py:1435), so the engine casts it.
+                four_bit = model_spec.get("quantization")
+                model = apply_trainable(model, model_spec, as_deepspeed_casts=not zero3 or bool(four_bit))
+                if four_bit:  # the 4-bit layers' dequantized weights, where they happen
+                    emulate_four_bit_matmuls(model, four_bit)
                 reference = _reference_model(model_spec, sequence_length)
             finally:
                 torch.set_default_dtype(previous)

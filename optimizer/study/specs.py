@@ -241,11 +241,14 @@ class TransformerModel:
 
     @property
     def zero3_traced_apart(self) -> bool:
-        """Its ZeRO-3 candidates are traced as a model built under ``deepspeed.zero.Init`` (``F.linear`` left
-        wrapped, adapters kept fp32: :data:`optimizer.study.traced_activation.ZERO3_RUN`): part of it is frozen and
-        it is not quantized — transformers builds a quantized model without ``zero.Init`` (``modeling_utils.py:1435``),
-        so a QLoRA base's ZeRO-3 run holds its layers as the stages below do."""
-        return self.adapted and self.quantization is None
+        """Its ZeRO-3 candidates are traced as a ZeRO-3 run holds the model
+        (:data:`optimizer.study.traced_activation.ZERO3_RUN`): part of it is frozen. Every ZeRO-3 engine leaves
+        ``F.linear`` wrapped by DeepSpeed's linear — a model built under ``deepspeed.zero.Init`` and one converted by
+        ``deepspeed.initialize`` alike (``parameter_offload.py:180`` → ``Init(module=...)``,
+        ``partition_parameters.py:1090-1091``, "this will persist"), which keeps every frozen Linear's input. A model
+        built by zero.Init keeps its adapters fp32; a QLoRA base, which transformers builds without zero.Init
+        (``modeling_utils.py:1435``), is cast by the engine (``engine.py:1851-1862``)."""
+        return self.adapted
 
     @property
     def head_dim(self) -> int:
