@@ -82,7 +82,7 @@ def _stage0(z: _Sizes, precision: Precision, *, joined: bool, gloo: bool) -> lis
               f"{g}·min({sym}, 5e8 + Lₜ)", f"{DS} engine.py:3073-3095 (MEMORY_OPT_ALLREDUCE_SIZE)", Phase.REDUCE),
     ]
     if gloo:  # gloo's work object holds the flattened tensor and may drop it on its own thread after the step
-        # began: the same 2-rank candidate measured 3.94 and 4.27 MB in two runs, 2Ψ apart (docs/ledger.md) — risk.
+        # began: the same candidate measured 3.94 and 4.27 MB in runs of 2 ranks and of 1, 2Ψ apart (docs/ledger.md)
         items.append(replace(_item("allreduce flatten, freed late on gloo's thread", Category.BUFFERS, Location.GPU,
                                    flatten, f"{g}·min({sym}, 5e8 + Lₜ)", f"{DS} engine.py:3073-3095; gloo",
                                    Phase.STEP), sometimes=True))
@@ -219,8 +219,8 @@ def transformer_items(
     traced = usable_trace(model, candidate)
     split = stage is ZeroStage.GRADIENTS and traced is not None and bool(traced.split_points)
     if stage is ZeroStage.DISABLED:
-        items = _stage0(z, candidate.precision, joined=joined,
-                        gloo=hardware.accelerator is Accelerator.CPU and z.n > 1)
+        items = _stage0(z, candidate.precision, joined=joined,  # one rank all-reduces too (engine.py:3153-3165)
+                        gloo=hardware.accelerator is Accelerator.CPU)
     elif stage is ZeroStage.PARAMETERS:
         items = _stage3(z, candidate, settings, replayed=traced.zero3_gathered if traced is not None else 0,
                         device_is_host=hardware.accelerator is Accelerator.CPU)

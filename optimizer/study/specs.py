@@ -241,13 +241,10 @@ class TransformerModel:
 
     @property
     def zero3_traced_apart(self) -> bool:
-        """Its ZeRO-3 candidates are traced as a ZeRO-3 run holds the model
-        (:data:`optimizer.study.traced_activation.ZERO3_RUN`): part of it is frozen. Every ZeRO-3 engine leaves
-        ``F.linear`` wrapped by DeepSpeed's linear — a model built under ``deepspeed.zero.Init`` and one converted by
-        ``deepspeed.initialize`` alike (``parameter_offload.py:180`` → ``Init(module=...)``,
-        ``partition_parameters.py:1090-1091``, "this will persist"), which keeps every frozen Linear's input. A model
-        built by zero.Init keeps its adapters fp32; a QLoRA base, which transformers builds without zero.Init
-        (``modeling_utils.py:1435``), is cast by the engine (``engine.py:1851-1862``)."""
+        """Its ZeRO-3 candidates are traced as a ZeRO-3 run holds it (``traced_activation.ZERO3_RUN``): part of
+        it is frozen. Every ZeRO-3 engine wraps ``F.linear`` (DeepSpeed's linear keeps each frozen Linear's
+        input), also one ``deepspeed.initialize`` converts (``parameter_offload.py:180``, ``partition_parameters.py:
+        1090-1091``); a QLoRA base, built without zero.Init (``modeling_utils.py:1435``), has its adapters cast."""
         return self.adapted
 
     @property
