@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from launchers.cache_dir import cache_dir, source_digest
 from launchers.json_cache import KeyedJsonStore
 from launchers.workloads.four_bit import is_four_bit
-from launchers.workloads.trainable import TrainableSetupError
+from launchers.workloads.setup_error import TrainableSetupError
 from optimizer.deepspeed.versions import installed_version, installed_versions
 from optimizer.study.errors import UserError, error_summary
 from optimizer.study.inventory import InventoryTensor, ParameterInventory, inventory_key

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from launchers.local import execute, extensions_dir
 from launchers.op_needs import Op, allowed_offloads, missing_reason, note_missing, ops_for, ops_needed
-from launchers.trial import reference_candidate, trial_launch_plan
+from launchers.trial import cached_reference_losses, reference_candidate, trial_launch_plan
 from optimizer.search.space import branches, in_space
 from optimizer.study.constraints import invalid_reasons
 from optimizer.study.errors import UserError
@@ -197,8 +197,6 @@ def prepare_ops(*, spec: StudySpec, gpus: Sequence[str] | None, worker: str,
     """Build or load the ops ``spec``'s candidates need on this node (module doc); returns ``spec`` without the
     candidates an op missing here rules out. UserError (exit 2) when that leaves no candidate, or rules out the
     FP32 reference before it is cached."""
-    from launchers.study_run import reference_cached  # the caller's module: imported once it is loaded
-
     say = say or (lambda text: print(f"[{worker}] {text}", file=sys.stderr, flush=True))
     accelerator = spec.hardware.accelerator
     candidates = study_candidates(spec)
@@ -224,7 +222,7 @@ def prepare_ops(*, spec: StudySpec, gpus: Sequence[str] | None, worker: str,
         raise UserError(source=str(spec.path), key="search_space", why=f"every one of the {len(candidates)} "
                         f"candidate(s) needs a DeepSpeed op that cannot be built or loaded on {host} — {whys}")
     why = missing_reason(reference, accelerator=accelerator, missing=missing)
-    if why is not None and not reference_cached(spec):
+    if why is not None and cached_reference_losses(spec) is None:
         raise UserError(source=str(spec.path), key="hardware", why=f"the FP32 reference ({reference.label()}) "
                         f"cannot run on {host}: {why}")
     return narrowed(spec, missing)

@@ -32,7 +32,7 @@ import optuna
 from launchers.artifacts import default_store_dir, uploader
 from launchers.op_prep import prepare_ops
 from launchers.progress import Progress, ProgressMode
-from launchers.trial import reference_key, reference_losses, run_trial, trial_dir_for
+from launchers.trial import cached_reference_losses, reference_key, reference_losses, run_trial, trial_dir_for
 from optimizer.ledger.core import evaluate
 from optimizer.ledger.items import Location
 from optimizer.ledger.transformer import parameter_count, trainable_count
@@ -179,7 +179,7 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     losses = setup_study(study=study, spec=spec, space=space, worker=worker,
                          reference=reference or (lambda: reference_losses(spec, gpus=gpus)),
                          reference_launches=(lambda: 0) if reference is not None
-                         else (lambda: 0 if reference_cached(spec) else 1))
+                         else (lambda: 0 if cached_reference_losses(spec) is not None else 1))
     reference_result = spec.output_dir / "reference" / "result.json"  # the FP32 reference: the first launch
     if runner is None and reference_result.is_file():
         record_result_json(study, json.loads(reference_result.read_text()))
@@ -262,17 +262,6 @@ def say_capacity(stated: StudySpec, study: optuna.Study, *, said: list[str], wor
     if note is not None:
         said.append(note)
         _say(worker, f"warning: {note}")
-
-
-def reference_cached(spec: StudySpec) -> bool:
-    """Whether the FP32 reference's losses are cached for this study as it is now (no launch needed)."""
-    import json
-
-    cache = spec.output_dir / "reference.json"
-    try:
-        return json.loads(cache.read_text()).get("key") == reference_key(spec)
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def stop_above(spec: StudySpec, candidate: Candidate) -> StopAbove | None:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from launchers.trace import TraceFailure, TraceResult
 
 TRACE_CODE = ("launchers.trace", "launchers.trace_depth", "launchers.workloads.builtin", "launchers.workloads.four_bit",
+              "launchers.workloads.blocks",
               "launchers.workloads.construction", "launchers.workloads.hf_model", "launchers.workloads.fake_kernels",
               "optimizer.deepspeed.zero3_gather", "optimizer.deepspeed.zero_settings", "launchers.workloads.trainable",
               "launchers.workloads.zero3_linear", "launchers.workloads.reference")

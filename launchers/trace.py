@@ -267,7 +267,8 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
     :data:`optimizer.study.traced_activation.ZERO3_RUN` for the variant of a ZeRO-3 run."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from launchers.workloads.builtin import build_model, decoder_blocks, load_entry_point
+    from launchers.workloads.blocks import decoder_blocks
+    from launchers.workloads.builtin import build_model, load_entry_point
     from launchers.workloads.trainable import apply_trainable
 
     previous = torch.get_default_dtype()

@@ -348,15 +348,26 @@ def reference_key(study: StudySpec, *, versions: Mapping[str, str | None] | None
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+def cached_reference_losses(study: StudySpec) -> list[float] | None:
+    """The FP32 reference's losses cached for this study as it is now (``reference.json`` under its key), or None:
+    a launch is needed."""
+    try:
+        data = json.loads((study.output_dir / "reference.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("key") != reference_key(study) or "losses" not in data:
+        return None
+    return list(data["losses"])
+
+
 def reference_losses(study: StudySpec, *, gpus: Sequence[str] | None = None) -> list[float]:
     """The FP32 reference losses, from the study's cache or from one run of :func:`reference_candidate` (on the
     worker's GPU slice ``gpus``, as :func:`run_trial`)."""
+    cached = cached_reference_losses(study)
+    if cached is not None:
+        return cached
     cache = study.output_dir / "reference.json"
     key = reference_key(study)
-    if cache.exists():
-        data = json.loads(cache.read_text())
-        if data.get("key") == key:
-            return list(data["losses"])
     candidate = reference_candidate(study)
     result = run_trial(study=study, candidate=candidate, trial_dir=study.output_dir / "reference", gpus=gpus)
     if result.outcome is not Outcome.OK:

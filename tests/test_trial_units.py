@@ -11,7 +11,8 @@ import torch
 from trial_fixtures import FAR, KILLED, NEAR, rank_report
 
 from launchers.local import LAUNCH_ID_VAR, build_launch_plan
-from launchers.workloads.builtin import SyntheticTokens, recomputed_blocks
+from launchers.workloads.blocks import recomputed_blocks
+from launchers.workloads.builtin import SyntheticTokens
 from launchers.workloads.cpu_memory import COUNT_FLAG, count_every_thread, start_cpu_profiler, stop_cpu_profiler
 from launchers.workloads.trial_rank import NonFiniteLoss, classify
 from optimizer.results.host_oom import HostMemoryEvidence

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from launchers.workloads.blocks import recomputed_blocks
 from launchers.workloads.construction import GPT_INIT_STD, construction_context, seeded_init_, training_dtype
 
 DROPOUT_P = 0.1
@@ -126,22 +127,6 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.norm1(x)))
         return x + self.drop(self.mlp(self.norm2(x)))
-
-
-def recomputed_blocks(checkpointing: str, layers: int) -> set[int]:
-    """0-based indices of the blocks recomputed in backward (``full``, ``every_K``; none otherwise)."""
-    if checkpointing == "full":
-        return set(range(layers))
-    if checkpointing.startswith("every_"):
-        k = int(checkpointing.removeprefix("every_"))
-        return {i for i in range(layers) if (i + 1) % k == 0}
-    return set()
-
-
-def decoder_blocks(model: nn.Module) -> nn.ModuleList | None:
-    """The decoder blocks: the model's first non-empty ``ModuleList`` (``layers`` here, ``model.layers`` in
-    transformers' Llama and Mistral), or None."""
-    return next((m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)), None)
 
 
 class GPT(nn.Module):

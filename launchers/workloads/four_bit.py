@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from launchers.workloads.trainable import TrainableSetupError
+from launchers.workloads.setup_error import TrainableSetupError
 
 if TYPE_CHECKING:
     from torch import nn

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launchers.workloads.builtin import decoder_blocks, recomputed_blocks
+from launchers.workloads.blocks import decoder_blocks, recomputed_blocks
 
 ATTENTION = {"eager": "eager", "fused": "sdpa"}
 

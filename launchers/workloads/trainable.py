@@ -19,19 +19,11 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from launchers.workloads.setup_error import TrainableSetupError
 from optimizer.study.peft_section import frozen_by, unmatched_patterns
 
 if TYPE_CHECKING:  # torch only where a model is at hand: launchers.inventory reads a cached inventory without it
     from torch import nn
-
-
-class TrainableSetupError(ValueError):
-    """The study's trainable setup does not fit the model (a glob or target matching nothing, PEFT missing)."""
-
-    def __init__(self, key: str, why: str) -> None:
-        super().__init__(f"{key}: {why}")
-        self.key = key
-        self.why = why
 
 
 def _base(model: nn.Module) -> nn.Module:
