@@ -196,9 +196,12 @@ def test_a_tensor_across_several_ranks_belongs_to_each_of_them():
     small = TransformerModel(layers=1, hidden_size=64, heads=4, kv_heads=4, ffn_size=256, vocab_size=4096,
                              max_positions=1024)
     assert parameter_count(small) == 377_792
-    assert zero12_partition(small, ranks=8) == FlatPartition(held=327_680, largest_piece=47_224)
+    assert zero12_partition(small, ranks=8) == FlatPartition(padded=377_792, held=327_680, largest_piece=47_224,
+                                                             ranks=8)
+    assert zero12_partition(small, ranks=8).per_rank == 47_224
     # MODEL at N = 4: Σ worked in test_zero2_items_are_the_estimators_terms; the embedding lies inside rank 0.
-    assert zero12_partition(MODEL, ranks=4) == FlatPartition(held=352_499_712, largest_piece=LARGEST_TENSOR)
+    flat = zero12_partition(MODEL, ranks=4)
+    assert (flat.held, flat.largest_piece, flat.padded % 8) == (352_499_712, LARGEST_TENSOR, 0)
 
 
 @pytest.mark.parametrize(("stage", "phase"),

@@ -100,15 +100,13 @@ def _sizes(*, model: TransformerModel, candidate: Candidate, hardware: HardwareS
     psi = parameter_count(model)
     trainable = trainable_count(model)
     n = hardware.world_size
-    padded = -(-trainable // (2 * n)) * (2 * n)
-    p = padded // n
+    flat = zero12_partition(model, ranks=n)  # Ψ₁₂, P, Σ: one count of the flat buffer
     largest_tensor = largest_tensor_parameters(model, trainable_only=True)
-    flat = zero12_partition(model, ranks=n)
     q = zero3_partition_elements(model, ranks=n)
     q_trainable = zero3_partition_elements(model, ranks=n, trainable_only=True)
     four_bit = four_bit_weights(model)
     return _Sizes(
-        psi=psi, trainable=trainable, n=n, g=candidate.precision.bytes_per_element, padded=padded, p=p,
+        psi=psi, trainable=trainable, n=n, g=candidate.precision.bytes_per_element, padded=flat.padded, p=flat.per_rank,
         sigma=flat.held, piece=flat.largest_piece, q=q, q_trainable=q_trainable,
         s=min(q_trainable, settings.sub_group_size),
         k=persistent_parameters(model, threshold=settings.param_persistence_threshold),

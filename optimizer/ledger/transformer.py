@@ -219,10 +219,19 @@ def largest_tensor_parameters(model: TransformerModel, *, trainable_only: bool =
 class FlatPartition:
     """How ZeRO-1/2's flat parameter buffer splits over the ranks, from the model's parameter order."""
 
+    padded: int
+    """Ψ₁₂: the trainable elements padded to a multiple of 2N (the flat buffer's length)."""
     held: int
     """Σ: elements of the tensors the worst rank counts as its own (``params_in_partition``), in full."""
     largest_piece: int
     """Elements of the largest part of one tensor inside one rank's range (DeepSpeed's ``num_elements``)."""
+    ranks: int
+    """N."""
+
+    @property
+    def per_rank(self) -> int:
+        """P = Ψ₁₂/N: each rank's range of the flat buffer."""
+        return self.padded // self.ranks
 
 
 @lru_cache(maxsize=64)
@@ -258,7 +267,7 @@ def zero12_partition(model: TransformerModel, *, ranks: int) -> FlatPartition:
     for delta in held[:ranks]:
         running += delta
         worst = max(worst, running)
-    return FlatPartition(held=worst, largest_piece=largest_piece)
+    return FlatPartition(padded=padded, held=worst, largest_piece=largest_piece, ranks=ranks)
 
 
 @lru_cache(maxsize=64)
