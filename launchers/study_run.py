@@ -33,7 +33,7 @@ from launchers.artifacts import default_store_dir, uploader
 from launchers.op_prep import prepare_ops
 from launchers.progress import Progress, ProgressMode
 from launchers.trial import cached_reference_losses, reference_key, reference_losses, run_trial, trial_dir_for
-from optimizer.ledger.core import evaluate
+from optimizer.ledger.core import Ledger, evaluate
 from optimizer.ledger.items import Location
 from optimizer.ledger.transformer import parameter_count, trainable_count
 from optimizer.results.device_budget import capacity_note
@@ -198,7 +198,7 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
         step = predicted_speed(candidate, spec=spec, models=current[0])  # calibrated once trials are measured
         result = run_trial(study=spec, candidate=candidate, reference_losses=losses,
                            step_s=None if isinstance(step, str) else step.total_s, gpus=gpus,
-                           stop_above=stop_above(spec, candidate))
+                           stop_above=stop_above(spec, candidate, ledger=ledgers.get(candidate.label())))
         say_profile_mismatch(spec, result, said=mismatch_said, worker=worker)
         say_script_model(spec, result, said=script_said, worker=worker)
         record_measured_reserve(study, result)
@@ -213,6 +213,7 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     verdicts = [v for v in (evaluate(candidate=c, model=spec.model, hardware=spec.hardware, training=spec.training)
                             for c in spec.search_space.candidates(base))
                 if v.ledger is not None and in_space(v.candidate, space)]
+    ledgers = {v.candidate.label(): v.ledger for v in verdicts}  # evaluated once: launch() reads them
     current = [study_models(spec=spec, trials=[], base=base)]
     report = Progress(progress, base=base, target=n_trials, worker=worker)
     try:
@@ -264,11 +265,13 @@ def say_capacity(stated: StudySpec, study: optuna.Study, *, said: list[str], wor
         _say(worker, f"warning: {note}")
 
 
-def stop_above(spec: StudySpec, candidate: Candidate) -> StopAbove | None:
+def stop_above(spec: StudySpec, candidate: Candidate, *, ledger: Ledger | None = None) -> StopAbove | None:
     """What the ranks may measure before they stop over the budget: the budget less the device reserve, plus
     on CPU ranks the ledger's host items (one memory holds both there; the objective subtracts them again,
-    :func:`optimizer.search.objective.over_budget`)."""
-    ledger = evaluate(candidate=candidate, model=spec.model, hardware=spec.hardware, training=spec.training).ledger
+    :func:`optimizer.search.objective.over_budget`). ``ledger``: the candidate's, where the caller has it."""
+    if ledger is None:
+        ledger = evaluate(candidate=candidate, model=spec.model, hardware=spec.hardware,
+                          training=spec.training).ledger
     if ledger is None:
         return None
     budget = ledger.gpu_capacity_bytes - spec.hardware.device_reserve_bytes

@@ -164,3 +164,4 @@ def test_the_study_passes_the_budget_as_the_ranks_measure_it(repo_root):
     limits = stop_above(spec, offloaded)
     assert limits.training_bytes == 10_000_000 - 1_000 + host
     assert limits.init_bytes == 10_000_000 - 1_000 + ledger.init_bytes - ledger.init_bytes_at(Location.GPU)
+    assert stop_above(spec, offloaded, ledger=ledger) == limits  # the study's own ledger, evaluated once
