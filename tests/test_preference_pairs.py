@@ -34,6 +34,11 @@ def test_both_keys_reach_what_the_ranks_build_and_are_absent_by_default(tmp_path
     assert "sequences_per_sample" not in plain and "lm_head" not in plain  # every cache key as before
 
 
+def test_the_models_own_head_may_be_named_on_any_transformer(tmp_path):
+    shaped = {"kind": "transformer", "layers": 2, "hidden_size": 32, "heads": 2, "vocab_size": 64, "lm_head": "logits"}
+    assert load_study(llama_study(tmp_path, model=shaped)).model.lm_head == "logits"
+
+
 @pytest.mark.parametrize(("training_extra", "model_extra", "model", "key"), [
     ({"sequences_per_sample": 0}, None, None, "training.sequences_per_sample"),
     ({"sequences_per_sample": "two"}, None, None, "training.sequences_per_sample"),

@@ -67,9 +67,10 @@ def parse_model(section: Section, *, sequence_length: int, study_dir: Path,
                                                      study_dir=study_dir), None)
     quantization = section.get("quantization", lambda v: parse_quantization(
         v, source=section.source, key=section.full_key("quantization")), None)
-    if "lm_head" in section.raw and "hf_config" not in section.raw:
-        raise UserError(source=section.source, key=section.full_key("lm_head"), why="a head other than the model's "
-                        "own is TRL's fused head on a transformers model: give the model as hf_config (a config.json)")
+    lm_head = section.get("lm_head", as_enum_str(LM_HEADS), "logits")
+    if lm_head != "logits" and "hf_config" not in section.raw:
+        raise UserError(source=section.source, key=section.full_key("lm_head"), why=f"{lm_head} is TRL's fused head "
+                        "on a transformers model: give the model as hf_config (a config.json)")
     if quantization is not None and "hf_config" not in section.raw:
         raise UserError(source=section.source, key=section.full_key("quantization"), why="a 4-bit base is what "
                         "transformers' bitsandbytes quantizer makes of a transformers model: give the model as "
@@ -98,7 +99,7 @@ def parse_model(section: Section, *, sequence_length: int, study_dir: Path,
                 activations=section.get("activations", as_enum(ActivationSource), ActivationSource.AUTO),
                 peft=peft, frozen=frozen, reference_model=reference_model, quantization=quantization,
                 sequences_per_sample=sequences_per_sample,
-                lm_head=section.get("lm_head", as_enum_str(LM_HEADS), "logits"),
+                lm_head=lm_head,
             )
         else:
             heads = section.get("heads", count_within(limits.MAX_WIDTH, "attention head count"))
