@@ -41,6 +41,7 @@ from optimizer.ledger.core import evaluate
 from optimizer.perf.throughput import predict_candidate
 from optimizer.results.trial_result import Outcome, StopAbove, TrialResult, summarize, wrong_device
 from optimizer.search.coordination import now_utc, worker_id
+from optimizer.search.objective import RETRIED
 from optimizer.study.constraints import invalid_reasons
 from optimizer.study.errors import UserError
 from optimizer.study.knobs import Candidate, FullCheckpointing, OffloadDevice, ZeroStage
@@ -370,6 +371,10 @@ def reference_losses(study: StudySpec, *, gpus: Sequence[str] | None = None) -> 
     key = reference_key(study)
     candidate = reference_candidate(study)
     result = run_trial(study=study, candidate=candidate, trial_dir=study.output_dir / "reference", gpus=gpus)
+    for _ in range(study.trial.retries):  # maybe transient, as a trial's crash or timeout (objective.RETRIED): a rank
+        if result.outcome not in RETRIED:  # that aborted at exit after its report ("terminate called without an
+            break                          # active exception", seen once on CPU ranks) stopped the whole study
+        result = run_trial(study=study, candidate=candidate, trial_dir=study.output_dir / "reference", gpus=gpus)
     if result.outcome is not Outcome.OK:
         raise ReferenceFailed(result)
     cache.parent.mkdir(parents=True, exist_ok=True)

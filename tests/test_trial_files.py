@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from trial_fixtures import NEAR, GiB, library_versions, rank_report
 
 from optimizer.results.trial_result import Outcome
@@ -133,3 +134,28 @@ def test_a_reference_cached_under_other_versions_is_run_again(repo_root, tmp_pat
                                     "precision": "fp32", "checkpointing": "none", "micro_batch_size": 2}}
     assert stored["key"] != stale
     assert trial.reference_losses(study) == [2.0, 1.5] and len(runs) == 1  # now served from the cache
+
+
+def test_a_reference_that_crashed_is_launched_once_more_as_a_trial_would_be(repo_root, tmp_path, monkeypatch):
+    # A rank that aborted at exit after writing its report ("terminate called without an active exception", seen
+    # once on CPU ranks) made the FP32 reference a crash, and the study stopped; a trial's crash is retried
+    import launchers.trial as trial
+    from optimizer.results.trial_result import TrialResult
+
+    study = _tiny_study(repo_root, tmp_path)
+    outcomes = [Outcome.CRASH, Outcome.OK]
+
+    def run_trial(**kwargs):  # the reference launch, without ranks
+        outcome = outcomes.pop(0)
+        return TrialResult(outcome=outcome, losses=(2.0, 1.5) if outcome is Outcome.OK else ())
+
+    monkeypatch.setattr(trial, "run_trial", run_trial)
+    assert trial.reference_losses(study) == [2.0, 1.5] and outcomes == []
+    (study.output_dir / "reference.json").unlink()
+    outcomes.extend([Outcome.CRASH, Outcome.CRASH])  # trial.retries = 1: the second crash stands
+    with pytest.raises(trial.ReferenceFailed):
+        trial.reference_losses(study)
+    outcomes.extend([Outcome.OOM])  # a property of the candidate: not launched again
+    with pytest.raises(trial.ReferenceFailed):
+        trial.reference_losses(study)
+    assert outcomes == []
