@@ -77,6 +77,10 @@ GRIDS = (ROOT / "benchmarks" / "data" / "grid-cpu.json", ROOT / "benchmarks" / "
 (``record_grid.py``)."""
 
 
+STRATEGIES = {"dsopt": "dsopt", "autotuner walk": "autotuner", "TPE, no ledger": "tpe", "random": "random"}
+"""The strategies' table names and their ``--strategy`` names."""
+
+
 class StopReplay(Exception):
     """The strategy reached the target: stop it."""
 
@@ -370,16 +374,18 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--budget", nargs="+", default=None, metavar="SIZE",
                         help="replay at these per-rank budgets instead of the study's (e.g. '9 MB' '12 MB')")
+    parser.add_argument("--strategy", nargs="+", choices=list(STRATEGIES.values()), default=list(STRATEGIES.values()),
+                        help="replay only these strategies (default: all)")
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     budgets = [parse_bytes(text) for text in args.budget] if args.budget else [None]
     for path in args.grid:
         for budget in budgets:
-            report(Path(path), seeds=args.seeds, budget_bytes=budget)
+            report(Path(path), seeds=args.seeds, budget_bytes=budget, strategies=args.strategy)
     return 0
 
 
-def report(path: Path, *, seeds: int, budget_bytes: int | None) -> None:
+def report(path: Path, *, seeds: int, budget_bytes: int | None, strategies: list[str]) -> None:
     """The grid's summary and the strategies' table."""
     grid = load_grid(path, budget_bytes=budget_bytes)
     spec = grid.spec
@@ -402,12 +408,11 @@ def report(path: Path, *, seeds: int, budget_bytes: int | None) -> None:
           "held, never launched, measured to fit | time-model Spearman ρ |")
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
-        rows = [
-            summarize("dsopt", [run_dsopt(grid, seed, Path(folder)) for seed in range(seeds)], grid),
-            summarize("autotuner walk", [run_autotuner(grid)], grid),
-            summarize("TPE, no ledger", [run_tpe(grid, seed) for seed in range(seeds)], grid),
-            summarize("random", [run_random(grid, seed) for seed in range(seeds)], grid),
-        ]
+        runs = {"dsopt": lambda: [run_dsopt(grid, seed, Path(folder)) for seed in range(seeds)],
+                "autotuner walk": lambda: [run_autotuner(grid)],
+                "TPE, no ledger": lambda: [run_tpe(grid, seed) for seed in range(seeds)],
+                "random": lambda: [run_random(grid, seed) for seed in range(seeds)]}
+        rows = [summarize(name, run(), grid) for name, run in runs.items() if STRATEGIES[name] in strategies]
     print("\n".join(rows), flush=True)
 
 
