@@ -31,8 +31,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from launchers.inventory import with_inventory
-from launchers.study_traces import trace_rows, with_traced_activations
+from launchers.trace.inventory import with_inventory
+from launchers.trace.study_traces import trace_rows, with_traced_activations
 from optimizer.ledger.core import compute_ledger
 from optimizer.ledger.transformer import layer_terms
 from optimizer.study.knobs import with_knobs

@@ -12,11 +12,11 @@ rows, and a transformers Llama config (8 × 1024, 16 heads, 4 KV heads, ~200 M) 
 ledger may read at most :data:`UNDER` below and :data:`OVER` above the measurement, the band printed beside
 each figure — and the loss fidelity against an FP32 reference that really ran on the same GPUs (one-GPU rows
 included), within the study's tolerance for the precision. The ledger is the one a study plans with: traced
-activations (:func:`launchers.study_traces.with_traced_activations`), as ``dsopt study run`` takes them. A
+activations (:func:`launchers.trace.study_traces.with_traced_activations`), as ``dsopt study run`` takes them. A
 row that is not ``ok``, lacks a figure, or is not launched before ``--minutes`` is a failed row; the script
 exits 1 when any row fails. The DeepSpeed ops the grid needs (FusedAdam) are built before the clock starts.
 Then the fastest ZeRO-3 Llama candidate (else the fastest) is exported with ``--hf`` and trained under the
-Hugging Face Trainer (``launchers/workloads/hf_trainer_rank.py``), which must build it partitioned at stage 3
+Hugging Face Trainer (``launchers/rank/hf_trainer_rank.py``), which must build it partitioned at stage 3
 and train a falling loss.
 
 ``--dry-run`` runs it all on 2 CPU ranks (``DS_ACCELERATOR=cpu``) with tiny shapes and the same band; an fp16
@@ -46,9 +46,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from launchers.local import LAUNCH_ID_VAR, LaunchPlan, execute, extensions_dir, log_tail  # noqa: E402
-from launchers.study_traces import with_traced_activations  # noqa: E402
-from launchers.trial import ReferenceFailed, reference_losses, run_trial  # noqa: E402
+from launchers.trace.study_traces import with_traced_activations  # noqa: E402
+from launchers.trial.local import LAUNCH_ID_VAR, LaunchPlan, execute, extensions_dir, log_tail  # noqa: E402
+from launchers.trial.run import ReferenceFailed, reference_losses, run_trial  # noqa: E402
 from optimizer.ledger.core import Ledger, compute_ledger  # noqa: E402
 from optimizer.results.export import exported_config  # noqa: E402
 from optimizer.results.trial_result import Outcome, TrialResult  # noqa: E402
@@ -199,7 +199,7 @@ def _hf_trainer(folder: Path, study: StudySpec, knobs: dict[str, Any], *, dry: b
     out = folder / "hf_trainer.json"
     argv = (sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(ranks),
             "--master_addr", "127.0.0.1", "--master_port", str(29600 + os.getpid() % 1000),
-            "-m", "launchers.workloads.hf_trainer_rank", "--ds-config", str(config_path),
+            "-m", "launchers.rank.hf_trainer_rank", "--ds-config", str(config_path),
             "--hf-config", str(folder / "llama.config.json"), "--precision", precision,
             "--micro-batch", str(study.training.micro_batch_size), "--sequence-length",
             str(study.training.sequence_length), "--steps", "5", "--out", str(out), *(["--cpu"] if dry else []))
@@ -221,8 +221,8 @@ def _hf_trainer(folder: Path, study: StudySpec, knobs: dict[str, Any], *, dry: b
 
 def _prepare_ops(studies: list[StudySpec]) -> None:
     """Build or load the DeepSpeed ops the grid's candidates need (FusedAdam on CUDA) before the clock starts, as a
-    study's worker does (:func:`launchers.op_prep.prepare_ops`); an op missing here fails its rows."""
-    from launchers.op_prep import prepare_ops
+    study's worker does (:func:`launchers.study.op_prep.prepare_ops`); an op missing here fails its rows."""
+    from launchers.study.op_prep import prepare_ops
 
     for study in studies:
         prepare_ops(spec=study, gpus=None, worker="gpu-check")

@@ -18,8 +18,8 @@ import json
 import statistics
 from pathlib import Path
 
-from launchers.inventory import adapted_inventory
-from launchers.study_traces import with_traced_activations
+from launchers.trace.inventory import adapted_inventory
+from launchers.trace.study_traces import with_traced_activations
 from optimizer.ledger.core import evaluate
 from optimizer.search.ordering import candidate_of
 from optimizer.study.specs import baseline_candidate

@@ -4,7 +4,7 @@
 
 For every family of ``tests/data/hf_families.json`` (tiny versions of gpt2, qwen2, gemma, gemma2, phi3, mixtral, opt
 built by transformers from local configs, nothing downloaded) and each candidate (ZeRO 0 and 3 × fp32 and
-bf16), one real DeepSpeed trial on 2 CPU ranks (:func:`launchers.trial.run_trial`, as ``dsopt trial``) measures
+bf16), one real DeepSpeed trial on 2 CPU ranks (:func:`launchers.trial.run.run_trial`, as ``dsopt trial``) measures
 the per-rank live-tensor peak of training (from the first step) and of the init phase. Beside it, the ledger's
 predictions with the parameter inventory (the model itself) and activations from the trace and from the formula.
 Prints one markdown table and the errors' summary; asserts nothing. About 15-25 s per trial on 2 cores.
@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 from record_grid import machine  # noqa: E402
 
-from launchers.inventory import with_inventory  # noqa: E402
-from launchers.study_traces import with_traced_activations  # noqa: E402
-from launchers.trial import run_trial  # noqa: E402
+from launchers.trace.inventory import with_inventory  # noqa: E402
+from launchers.trace.study_traces import with_traced_activations  # noqa: E402
+from launchers.trial.run import run_trial  # noqa: E402
 from optimizer.deepspeed.versions import installed_versions  # noqa: E402
 from optimizer.ledger.core import compute_ledger  # noqa: E402
 from optimizer.results.trial_result import Outcome  # noqa: E402

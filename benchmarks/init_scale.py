@@ -4,7 +4,7 @@ A built-in GPT of a few hundred million parameters (default 24 × 1024, vocab 81
 steps on 2 CPU ranks with real DeepSpeed, at ZeRO-3 (zero.Init, with and without parameter offload, and built
 whole for contrast) and at ZeRO-2 in bf16 (built on the device in bf16, and built whole in FP32). Each trial's
 rank reports give the construction's peak and the init phase's peak (live tensors,
-:mod:`launchers.workloads.cpu_memory`);
+:mod:`launchers.rank.cpu_memory`);
 the ledger gives its prediction of both (:mod:`optimizer.ledger.init_phase`). Prints one markdown table.
 
     .venv/bin/python benchmarks/init_scale.py [--layers 24 --hidden 1024 --vocab 8192] [--cases scale|every]
@@ -28,7 +28,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from launchers.trial import run_trial  # noqa: E402
+from launchers.trial.run import run_trial  # noqa: E402
 from optimizer.ledger.core import compute_ledger  # noqa: E402
 from optimizer.ledger.model_states import construction_bytes  # noqa: E402
 from optimizer.ledger.transformer import parameter_count, zero3_partition_elements  # noqa: E402

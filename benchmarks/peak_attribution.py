@@ -2,7 +2,7 @@
 
     python benchmarks/peak_attribution.py studies/grid-cpu.yaml --set zero_stage=2 --set micro_batch_size=4
 
-Runs the candidate's real trial once (:mod:`launchers.workloads.peak_attribution`: the trial's rank program with the
+Runs the candidate's real trial once (:mod:`launchers.rank.peak_attribution`: the trial's rank program with the
 profiler recording call stacks) and prints, per rank, the measured training peak (c10's all-thread counter),
 the op during which it fell, and the allocations live then grouped by where they were made (the largest
 first); then the ledger's items at each phase. This is how the ledger's ZeRO-1/2 terms were checked term by
@@ -21,9 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from launchers.local import extensions_dir, free_port
-from launchers.study_traces import with_traced_activations
-from launchers.trial import rank_plan
+from launchers.trace.study_traces import with_traced_activations
+from launchers.trial.local import extensions_dir, free_port
+from launchers.trial.run import rank_plan
 from optimizer.ledger.core import evaluate
 from optimizer.study.knobs import KNOB_NAMES, parse_knob, with_knobs
 from optimizer.study.specs import baseline_candidate
@@ -54,7 +54,7 @@ def main() -> int:
         env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(extensions_dir()),
                    PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(args.study).resolve().parent)]))
         argv = [torchrun, "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1", "--master_port",
-                str(free_port()), "-m", "launchers.workloads.peak_attribution", str(out / "plan.json"), str(out)]
+                str(free_port()), "-m", "launchers.rank.peak_attribution", str(out / "plan.json"), str(out)]
         done = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             print(done.stderr[-3000:], file=sys.stderr)

@@ -1,7 +1,7 @@
 """How long planning takes: ``dsopt ledger`` wall seconds, cold (an empty cache folder) and warm.
 
 Each figure is one run of ``python -m optimizer.cli`` (this interpreter) as a subprocess, with ``DSOPT_CACHE_DIR``
-set to a fresh temporary folder for the cold runs, kept for the warm one (launchers/cache_dir.py); its startup and
+set to a fresh temporary folder for the cold runs, kept for the warm one (launchers/trace/cache_dir.py); its startup and
 imports are in the figure, as a user sees them. The study files are copied into a temporary folder first, so the
 runs write nothing into studies/:
 

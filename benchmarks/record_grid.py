@@ -28,9 +28,9 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
-from launchers.inventory import adapted_inventory
-from launchers.study_traces import with_traced_activations
-from launchers.trial import check_devices, reference_losses, run_trial
+from launchers.trace.inventory import adapted_inventory
+from launchers.trace.study_traces import with_traced_activations
+from launchers.trial.run import check_devices, reference_losses, run_trial
 from optimizer.ledger.core import evaluate
 from optimizer.study.specs import baseline_candidate
 from optimizer.study.study_file import load_study

@@ -14,7 +14,7 @@ see record_grid.py) above the per-rank budget is an **OOM launch** (on a GPU it 
 memory); **feasible** = ran ok, no OOM, loss fidelity within the precision's tolerance.
 
 Strategies:
-* **dsopt** — the study as built (launchers/study_run.run_study): ledger pruning with the calibrated memory
+* **dsopt** — the study as built (launchers/study/study_run.run_study): ledger pruning with the calibrated memory
   factor, the launch policy (optimizer/search/launch_policy.py: the probability to fit; next_launch.py: the
   value of a launch), the enqueued seeds, every 3rd proposal left to TPE; the launches are replaced by
   look-ups (its ``runner``, which returns the recorded measurement: the study itself judges it against the
@@ -55,9 +55,9 @@ from pathlib import Path
 import numpy as np
 import optuna
 
-from launchers.inventory import adapted_inventory
-from launchers.study_run import run_study
-from launchers.study_traces import with_traced_activations
+from launchers.study.study_run import run_study
+from launchers.trace.inventory import adapted_inventory
+from launchers.trace.study_traces import with_traced_activations
 from optimizer.ledger.core import evaluate
 from optimizer.ledger.transformer import activation_estimate, parameter_count
 from optimizer.perf.throughput import StepTime, predict, work

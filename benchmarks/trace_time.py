@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from launchers.trace import TraceResult, trace
+from launchers.trace.tracer import TraceResult, trace
 from optimizer.ledger.transformer import activation_estimate
 from optimizer.study.knobs import Precision, parse_checkpointing
 from optimizer.study.specs import TransformerModel

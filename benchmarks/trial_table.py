@@ -15,7 +15,7 @@ import platform
 import sys
 from pathlib import Path
 
-from launchers.trial import check_devices, reference_losses, run_trial
+from launchers.trial.run import check_devices, reference_losses, run_trial
 from optimizer.ledger.core import compute_ledger
 from optimizer.results.trial_report import trial_json
 from optimizer.study.knobs import with_knobs

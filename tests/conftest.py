@@ -32,7 +32,7 @@ def tiny(tmp_path) -> StudySpec:
 
 @pytest.fixture(autouse=True, scope="session")
 def dsopt_cache_dir(tmp_path_factory) -> Iterator[Path]:
-    """dsopt's cache folder (traces, inventories: launchers/cache_dir.py) in a temporary folder for the session,
+    """dsopt's cache folder (traces, inventories: launchers/trace/cache_dir.py) in a temporary folder for the session,
     so tests never read or fill the user's ~/.cache and a fresh CI machine runs them the same; subprocesses
     inherit it. A test that needs a cold cache sets DSOPT_CACHE_DIR to its own tmp_path."""
     folder = tmp_path_factory.mktemp("dsopt-cache")
@@ -44,10 +44,10 @@ def dsopt_cache_dir(tmp_path_factory) -> Iterator[Path]:
 @pytest.fixture(autouse=True, scope="session")
 def shared_extensions_dir() -> Iterator[Path]:
     """One cache of DeepSpeed's JIT-compiled ops for every process of the session: dsopt's launches use
-    ``launchers.local.extensions_dir()`` (one per virtual environment), while a script run without dsopt (the plain
-    runs that check an export trains as measured) would build the same ops again under torch's default
+    ``launchers.trial.local.extensions_dir()`` (one per virtual environment), while a script run without dsopt (the
+    plain runs that check an export trains as measured) would build the same ops again under torch's default
     ``~/.cache/torch_extensions`` — minutes of compiling on 2 cores that test nothing. Subprocesses inherit it."""
-    from launchers.local import extensions_dir
+    from launchers.trial.local import extensions_dir
 
     folder = extensions_dir()
     with pytest.MonkeyPatch.context() as patch:

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import optuna
 
-from launchers.artifacts import LOG_TAIL_CHARS
-from launchers.local import free_port
-from launchers.progress import ProgressMode
-from launchers.study_run import run_study
-from launchers.trial import trial_dir_for
+from launchers.study.artifacts import LOG_TAIL_CHARS
+from launchers.study.progress import ProgressMode
+from launchers.study.study_run import run_study
+from launchers.trial.local import free_port
+from launchers.trial.run import trial_dir_for
 from optimizer.ledger.core import evaluate
 from optimizer.results.trial_result import Outcome, RankMeasurement, TrialResult
 from optimizer.study.study_file import StudySpec

@@ -1,5 +1,5 @@
-"""Each launched trial's files in Optuna's artifact store (launchers/artifacts.py), as optuna-dashboard reads them:
-a study run through ``run_study`` with a runner that writes what a real launch writes into the trial's folder
+"""Each launched trial's files in Optuna's artifact store (launchers/study/artifacts.py), as optuna-dashboard reads
+them: a study run through ``run_study`` with a runner that writes what a real launch writes into the trial's folder
 (tests/dashboard_study.py; no DeepSpeed: the upload is under test), then the store read back with Optuna's own
 API and through a real ``dsopt dashboard`` server."""
 
@@ -13,7 +13,7 @@ import pytest
 from dashboard_study import dashboard, studied
 from optuna.artifacts import FileSystemArtifactStore, download_artifact, get_all_artifact_meta
 
-from launchers.artifacts import LOG_TAIL_CHARS, default_store_dir
+from launchers.study.artifacts import LOG_TAIL_CHARS, default_store_dir
 
 
 @pytest.mark.slow  # seconds each: a real model trace / a whole study

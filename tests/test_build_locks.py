@@ -1,11 +1,11 @@
 """JIT-build locks left by killed ranks: the rule that removes only those whose owner is provably dead on this
-node (launchers/build_locks.py), and the records a launch keeps of the locks it holds."""
+node (launchers/ops/build_locks.py), and the records a launch keeps of the locks it holds."""
 
 from __future__ import annotations
 
 import pytest
 
-from launchers.build_locks import (
+from launchers.ops.build_locks import (
     FOREIGN_LOCK_S,
     LockOwner,
     NodeIdentity,
@@ -100,7 +100,7 @@ def test_a_killed_launch_removes_its_ranks_lock_but_not_another_nodes(tmp_path, 
     import sys
     import uuid
 
-    from launchers.local import LAUNCH_ID_VAR, LaunchPlan, execute
+    from launchers.trial.local import LAUNCH_ID_VAR, LaunchPlan, execute
 
     root = tmp_path / "ext"
     ours, theirs = (root / layout / op / "lock" for op in ("fused_adam", "cpu_adam"))

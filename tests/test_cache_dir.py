@@ -1,6 +1,6 @@
-"""dsopt's cache folder (launchers/cache_dir.py) and its one-file-per-key store (launchers/json_cache.py): where it
-is, that workers writing at once lose nothing, that an unreadable entry is missing, that a copied study reads the
-traces and inventory its original made, and that reading them imports neither torch nor transformers."""
+"""dsopt's cache folder (launchers/trace/cache_dir.py) and its one-file-per-key store (launchers/trace/json_cache.py):
+where it is, that workers writing at once lose nothing, that an unreadable entry is missing, that a copied study reads
+the traces and inventory its original made, and that reading them imports neither torch nor transformers."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from launchers.cache_dir import cache_dir, source_digest
-from launchers.json_cache import KeyedJsonStore
+from launchers.trace.cache_dir import cache_dir, source_digest
+from launchers.trace.json_cache import KeyedJsonStore
 from optimizer.study.knobs import with_knobs
 from optimizer.study.specs import baseline_candidate
 from optimizer.study.study_file import load_study
@@ -107,10 +107,10 @@ def _copy(name: str, folder: Path) -> Path:
 
 def test_a_copied_study_reads_the_traces_and_inventory_its_original_made(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
-    import launchers.inventory as inventory_module
-    import launchers.trace as trace_module
-    from launchers.inventory import with_inventory
-    from launchers.study_traces import with_traced_activations
+    import launchers.trace.inventory as inventory_module
+    import launchers.trace.tracer as trace_module
+    from launchers.trace.inventory import with_inventory
+    from launchers.trace.study_traces import with_traced_activations
 
     monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path / "cache"))
     original = load_study(_copy("llama-tiny-cpu", tmp_path / "here"))
@@ -134,8 +134,8 @@ def test_a_copied_study_reads_the_traces_and_inventory_its_original_made(tmp_pat
 
 def test_a_warm_cache_is_read_without_torch_or_transformers(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
-    from launchers.inventory import with_inventory
-    from launchers.study_traces import with_traced_activations
+    from launchers.trace.inventory import with_inventory
+    from launchers.trace.study_traces import with_traced_activations
 
     monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path / "cache"))
     path = _copy("llama-tiny-cpu", tmp_path / "study")
@@ -144,8 +144,8 @@ def test_a_warm_cache_is_read_without_torch_or_transformers(tmp_path, monkeypatc
     warm = with_traced_activations(with_inventory(study), candidates=[candidate])
     code = (
         "import sys\n"
-        "from launchers.inventory import with_inventory\n"
-        "from launchers.study_traces import with_traced_activations\n"
+        "from launchers.trace.inventory import with_inventory\n"
+        "from launchers.trace.study_traces import with_traced_activations\n"
         "from optimizer.study.knobs import with_knobs\n"
         "from optimizer.study.specs import baseline_candidate\n"
         "from optimizer.study.study_file import load_study\n"

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launchers.local import build_launch_plan
-from launchers.node_share import (
+from launchers.cluster.slurm import sbatch_script
+from launchers.trial.local import build_launch_plan
+from launchers.trial.node_share import (
     DEFAULT_SLOT,
     WorkerSlot,
     cgroup_dirs,
@@ -22,7 +23,6 @@ from launchers.node_share import (
     visible_gpus,
     worker_slot,
 )
-from launchers.slurm import sbatch_script
 from optimizer.cli import main
 from optimizer.search.storage import StorageKind, allows_parallel_workers, redact, storage_kind
 from optimizer.study.errors import UserError
@@ -187,12 +187,12 @@ def test_multi_node_plan_uses_srun_and_c10d_rendezvous():
                              launch_id="0123456789abcdef", extensions_dir=Path("/e"), parent_pid=42, nodes=2,
                              head_host="node07")
     assert plan.argv == (
-        "py", "-m", "launchers.orphan_guard", "42",
+        "py", "-m", "launchers.rank.orphan_guard", "42",
         "srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=64", "--kill-on-bad-exit=1",
         "--export=ALL", "--job-name=dsopt-trial-01234567",
         "py", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
         "--rdzv_backend", "c10d", "--rdzv_endpoint", "node07:29500", "--rdzv_id", "0123456789abcdef",
-        "-m", "launchers.workloads.trial_rank", "/t/p.json", "/t",
+        "-m", "launchers.rank.trial_rank", "/t/p.json", "/t",
     )
     assert plan.env["OMP_NUM_THREADS"] == "8"
 
@@ -218,7 +218,7 @@ def test_multi_node_study_outside_slurm_is_refused(tmp_path, capsys, monkeypatch
     assert "hardware.nodes" in err and "srun" in err
 
 
-# --- one node, several workers: GPU slices (launchers/node_share.py) ---
+# --- one node, several workers: GPU slices (launchers/trial/node_share.py) ---
 
 EIGHT = tuple(str(i) for i in range(8))
 
@@ -318,6 +318,6 @@ def test_cpu_allowance_is_affinity_capped_by_the_quota_rounded_up():
     assert 1 <= read_cpu_allowance() <= len(os.sched_getaffinity(0))
 
 
-# --- JIT-build locks: only those provably orphaned on this node (launchers/build_locks.py) ---
+# --- JIT-build locks: only those provably orphaned on this node (launchers/ops/build_locks.py) ---
 
 

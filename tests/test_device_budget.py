@@ -11,7 +11,7 @@ import optuna
 import pytest
 from trial_fixtures import rank_report
 
-from launchers.trial import result_json
+from launchers.trial.run import result_json
 from optimizer.ledger.core import evaluate
 from optimizer.results.device_budget import (
     capacity_budget,

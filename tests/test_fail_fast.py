@@ -10,7 +10,7 @@ import pytest
 from test_trial_files import _fake_launch, _tiny_study
 from trial_fixtures import NEAR, rank_report
 
-from launchers.workloads.trial_rank import _over_limit
+from launchers.rank.trial_rank import _over_limit
 from optimizer.ledger.items import Location
 from optimizer.results.trial_report import trial_json, trial_table
 from optimizer.results.trial_result import Outcome, StopAbove, stop_order, summarize
@@ -114,7 +114,7 @@ def test_any_other_failure_beside_a_stop_wins():
 
 
 def test_run_trial_writes_the_limits_into_the_plan_only(repo_root, tmp_path, monkeypatch):
-    import launchers.trial as trial
+    import launchers.trial.run as trial
     from optimizer.study.specs import baseline_candidate
 
     study = _tiny_study(repo_root, tmp_path)
@@ -148,7 +148,7 @@ def test_the_study_passes_the_budget_as_the_ranks_measure_it(repo_root):
     # holds beside the device share (cpu-tiny, ZeRO-1 with the optimizer on the host: Adam's states live there).
     from dataclasses import replace
 
-    from launchers.study_run import stop_above
+    from launchers.study.study_run import stop_above
     from optimizer.ledger.core import evaluate
     from optimizer.study.knobs import OffloadDevice, ZeroStage
     from optimizer.study.specs import baseline_candidate

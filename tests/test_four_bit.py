@@ -209,7 +209,7 @@ def _real_quantization(tmp_path: Path, config: dict, fields: dict) -> tuple[dict
     ("llama", {"llm_int8_skip_modules": ["o_proj"]}),  # given: transformers' own list (lm_head) is dropped
 ])
 def test_the_inventory_marks_what_from_pretrained_quantizes_and_the_ledger_holds_its_bytes(tmp_path, family, extra):
-    from launchers.inventory import with_inventory
+    from launchers.trace.inventory import with_inventory
     from optimizer.ledger.transformer import four_bit_weights
     from optimizer.study.study_file import load_study
 
@@ -242,7 +242,7 @@ def test_ledger_json_counts_the_four_bit_weights_as_peft_does(tmp_path, capsys):
 
 
 def test_at_zero3_the_packed_weights_are_partitioned_as_storage_elements(tmp_path):
-    from launchers.inventory import with_inventory
+    from launchers.trace.inventory import with_inventory
     from optimizer.ledger.transformer import held_tensors, parameter_tensors, zero3_partition_elements
     from optimizer.study.study_file import load_study
 

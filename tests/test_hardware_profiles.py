@@ -9,9 +9,9 @@ import textwrap
 import pytest
 from trial_fixtures import rank_report
 
-from launchers.study_run import say_profile_mismatch
-from launchers.trial import result_json
-from launchers.workloads.device_identity import device_identity
+from launchers.rank.device_identity import device_identity
+from launchers.study.study_run import say_profile_mismatch
+from launchers.trial.run import result_json
 from optimizer.ledger.transformer import parameter_count
 from optimizer.perf.throughput import StepTime, predict_candidate, work
 from optimizer.results.trial_result import summarize

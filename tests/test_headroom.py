@@ -142,7 +142,7 @@ def test_the_picks_keep_the_headroom():
             picked = pick_trial(study, how, budget_bytes=BUDGET_BYTES, headroom=_headroom(fraction))
             assert picked.values[0] <= BUDGET_BYTES * (1 - fraction), (how, fraction)
     assert pick_trial(study, "trial=3", budget_bytes=BUDGET_BYTES, headroom=_headroom(0.05)).number == 3
-    assert pick_trial(study, "fastest").number == 3  # no budget given: every front point (launchers/demo.py)
+    assert pick_trial(study, "fastest").number == 3  # no budget given: every front point (launchers/study/demo.py)
 
 
 def test_no_front_point_within_the_headroom_is_a_user_error():
@@ -237,19 +237,19 @@ def test_pareto_marks_the_rows_above_the_headroom(tmp_path, capsys):
 
 
 def test_the_demo_pick_line_mentions_the_headroom(tmp_path, capsys, monkeypatch):
-    import launchers.demo
+    import launchers.study.demo
 
     path = _stored(tmp_path, accelerator="cpu")
     stored = optuna.load_study(study_name="roomy", storage=f"sqlite:///{tmp_path / 'roomy' / 'study.db'}")
-    picked = stored.get_trials()[3]  # a pick made without the headroom (launchers/demo.py's today): 98 %
+    picked = stored.get_trials()[3]  # a pick made without the headroom (launchers/study/demo.py's today): 98 %
 
     def run_demo(*, spec, n_trials):
-        return launchers.demo.DemoResult(study=stored, picked=picked, config_path=tmp_path / "c.json",
+        return launchers.study.demo.DemoResult(study=stored, picked=picked, config_path=tmp_path / "c.json",
                                          png_path=tmp_path / "p.png", html_path=tmp_path / "p.html",
                                          counts={"measured": 4, "reused": 0, "pruned": 0, "held": 0, "failed": 0},
                                          wall_s=1.0)
 
-    monkeypatch.setattr(launchers.demo, "run_demo", run_demo)
+    monkeypatch.setattr(launchers.study.demo, "run_demo", run_demo)
     assert main(["demo", "--study", str(path), "--n-trials", "4"]) == 0
     out = capsys.readouterr().out.splitlines()
     lines = out[next(i for i, line in enumerate(out) if line.startswith("picked (balanced)")):]

@@ -155,8 +155,8 @@ def test_the_candidates_dtype_wins_over_the_configs(tmp_path, dtype_key):
     pytest.importorskip("transformers")
     import torch
 
-    from launchers.trial import model_dict
-    from launchers.workloads.hf_model import build_hf_model
+    from launchers.models.hf_model import build_hf_model
+    from launchers.trial.run import model_dict
 
     tiny = json.loads((ROOT / "studies" / "llama-tiny-cpu.config.json").read_text())
     config = {**tiny, dtype_key: "float16"}

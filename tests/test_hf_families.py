@@ -12,7 +12,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from launchers.inventory import with_inventory  # noqa: E402
+from launchers.trace.inventory import with_inventory  # noqa: E402
 from optimizer.cli import main  # noqa: E402
 from optimizer.ledger.transformer import largest_layer_parameters, parameter_count  # noqa: E402
 from optimizer.study.study_file import load_study  # noqa: E402

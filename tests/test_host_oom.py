@@ -1,5 +1,5 @@
 """Telling the kernel's OOM killer from a crash: the rule (optimizer/results/host_oom.py) and the launcher's readers
-(launchers/host_watch.py) on captured ``/proc`` and cgroup text."""
+(launchers/trial/host_watch.py) on captured ``/proc`` and cgroup text."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from launchers.host_watch import HostWatch, MemoryCgroup, keyed_counts, meminfo_bytes, memory_cgroup
+from launchers.trial.host_watch import HostWatch, MemoryCgroup, keyed_counts, meminfo_bytes, memory_cgroup
 from optimizer.results.host_oom import NEAR_LIMIT_FRACTION, HostMemoryEvidence, host_oom_reason
 
 GiB = 2**30

@@ -159,7 +159,7 @@ def test_the_launch_limit_follows_the_predicted_step():
 
 
 def test_a_big_models_fp32_reference_is_the_fastest_fitting_variant(repo_root):
-    from launchers.trial import predicted_step_s, reference_candidate
+    from launchers.trial.run import predicted_step_s, reference_candidate
 
     study = load_study(repo_root / "studies" / "llama-70b-8xh100.yaml")
     chosen = reference_candidate(study)

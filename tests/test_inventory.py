@@ -1,5 +1,5 @@
-"""The parameter inventory (optimizer/study/inventory.py, launchers/inventory.py): taken from the model itself on fake
-tensors, equal to the hand layout where the layout is right, and what the ledger counts where it is not."""
+"""The parameter inventory (optimizer/study/inventory.py, launchers/trace/inventory.py): taken from the model itself on
+fake tensors, equal to the hand layout where the layout is right, and what the ledger counts where it is not."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launchers import inventory as inventory_module
-from launchers.inventory import inventory_of, take_inventory, with_inventory
-from launchers.trial import model_dict
-from launchers.workloads.builtin import GPT
+from launchers.models.builtin import GPT
+from launchers.trace import inventory as inventory_module
+from launchers.trace.inventory import inventory_of, take_inventory, with_inventory
+from launchers.trial.run import model_dict
 from optimizer.cli import main
 from optimizer.ledger.core import compute_ledger
 from optimizer.ledger.transformer import (
@@ -117,7 +117,7 @@ def test_a_transformers_llama_counts_what_num_parameters_counts(tied):
 def _entry_point_study(tmp_path: Path, *, entry_point: str, module: str = "extra_workload") -> Path:
     (tmp_path / f"{module}.py").write_text(
         "import torch\n"
-        "from launchers.workloads.builtin import GPT, SyntheticTokens\n\n"
+        "from launchers.models.builtin import GPT, SyntheticTokens\n\n"
         "class WithAdapter(torch.nn.Module):  # a user's module the shape does not describe\n"
         "    def __init__(self, spec):\n"
         "        super().__init__()\n"
@@ -154,7 +154,7 @@ def _entry_point_study(tmp_path: Path, *, entry_point: str, module: str = "extra
 
 
 def _inventory_entries(folder: Path) -> list[Path]:
-    """The inventory cache's entries in the cache folder ``folder`` (launchers/cache_dir.py)."""
+    """The inventory cache's entries in the cache folder ``folder`` (launchers/trace/cache_dir.py)."""
     return sorted((folder / "inventory").glob("*.json"))
 
 

@@ -1,5 +1,5 @@
 """The launch policy in a running study (optimizer/search/launch_policy.py assesses, optimizer/search/next_launch.py
-chooses, optimizer/search/objective.py holds or launches, launchers/study_run.py counts and stops): a risky best
+chooses, optimizer/search/objective.py holds or launches, launchers/study/study_run.py counts and stops): a risky best
 candidate is held on a plain proposal and launched when the policy picks it; a trial without a loss fidelity is
 never on the front nor picked; ``--n-trials`` and ``budget.max_launches`` count real launches only; a stop by a
 limit lists what was left untried.
@@ -24,8 +24,8 @@ from dataclasses import replace
 import optuna
 import pytest
 
-from launchers.progress import ProgressMode
-from launchers.study_run import run_study, setup_study, worker_launches
+from launchers.study.progress import ProgressMode
+from launchers.study.study_run import run_study, setup_study, worker_launches
 from optimizer.ledger.core import evaluate
 from optimizer.results.pareto import pick_trial
 from optimizer.results.trial_result import Outcome, RankMeasurement, TrialResult

@@ -1,6 +1,6 @@
-"""One NVMe swap folder per launch (launchers/nvme_folder.py): distinct for two launches, made before each and removed
-after it however it ended, while ds_config.json and the exported config keep the study's own nvme_path. The launch
-itself is replaced (no ranks start): it records what the ranks were told and what was on disk meanwhile."""
+"""One NVMe swap folder per launch (launchers/trial/nvme_folder.py): distinct for two launches, made before each and
+removed after it however it ended, while ds_config.json and the exported config keep the study's own nvme_path. The
+launch itself is replaced (no ranks start): it records what the ranks were told and what was on disk meanwhile."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launchers.local import Execution
-from launchers.nvme_folder import FOLDER_PREFIX, per_launch_config
+from launchers.trial.local import Execution
+from launchers.trial.nvme_folder import FOLDER_PREFIX, per_launch_config
 from optimizer.study.knobs import OffloadDevice, ZeroStage
 from optimizer.study.specs import baseline_candidate
 from optimizer.study.study_file import StudySpec, load_study
@@ -56,10 +56,10 @@ def test_each_launch_gets_its_own_folder_under_the_studys_path(tmp_path):
 def _recording_launch(monkeypatch, *, seen: list, outcome):
     """Replace the launch: record the ranks' nvme_path and whether it existed while they ran; then ``outcome``
     (an Execution, or an exception to raise)."""
-    import launchers.trial as trial
+    import launchers.trial.run as trial
 
     def execute(plan, *, timeout_s, log_path):
-        rank_plan = json.loads(Path(plan.argv[-2]).read_text())  # launchers.workloads.trial_rank PLAN OUT_DIR
+        rank_plan = json.loads(Path(plan.argv[-2]).read_text())  # launchers.rank.trial_rank PLAN OUT_DIR
         path = Path(rank_plan["config"]["zero_optimization"]["offload_param"]["nvme_path"])
         (path / "zero_stage_3").mkdir()  # what DeepSpeed writes there
         seen.append({"path": path, "existed": path.is_dir()})
@@ -77,7 +77,7 @@ def _recording_launch(monkeypatch, *, seen: list, outcome):
     Execution(returncode=None, timed_out=True, wall_s=0.5),  # stopped at its timeout
 ], ids=["ended", "crashed", "timed-out"])
 def test_two_launches_get_distinct_folders_each_removed_afterwards(tmp_path, monkeypatch, outcome):
-    from launchers.trial import run_trial
+    from launchers.trial.run import run_trial
 
     study = _nvme_study(tmp_path)
     seen: list = []
@@ -93,7 +93,7 @@ def test_two_launches_get_distinct_folders_each_removed_afterwards(tmp_path, mon
 
 
 def test_the_folder_goes_when_the_launch_is_interrupted(tmp_path, monkeypatch):
-    from launchers.trial import run_trial
+    from launchers.trial.run import run_trial
 
     study = _nvme_study(tmp_path)
     seen: list = []
@@ -104,7 +104,7 @@ def test_the_folder_goes_when_the_launch_is_interrupted(tmp_path, monkeypatch):
 
 
 def test_the_trial_files_and_the_export_keep_the_users_nvme_path(tmp_path, monkeypatch):
-    from launchers.trial import run_trial
+    from launchers.trial.run import run_trial
     from optimizer.results.export import exported_config
 
     study = _nvme_study(tmp_path)
@@ -124,7 +124,7 @@ def test_the_trial_files_and_the_export_keep_the_users_nvme_path(tmp_path, monke
 
 
 def test_an_nvme_path_that_is_gone_is_a_crash_that_launches_nothing(tmp_path, monkeypatch):
-    import launchers.trial as trial
+    import launchers.trial.run as trial
 
     study = _nvme_study(tmp_path)
     Path(study.hardware.nvme_path).rmdir()

@@ -1,4 +1,4 @@
-"""Ops before clocks (launchers/op_needs.py, op_prep.py, op_load.py): which DeepSpeed ops each candidate needs, the
+"""Ops before clocks (launchers/ops/op_needs.py, op_prep.py, op_load.py): which DeepSpeed ops each candidate needs, the
 one build per node outside the trials' clocks, and a missing op: one message, its candidates invalid, never
 launched, never a crash — exit 2 when it rules out everything. The build subprocess is replaced by one that writes
 its report (no DeepSpeed) except in the ``slow`` tests, which build or load DeepSpeed's real ops."""
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-import launchers.op_prep as op_prep
-from launchers.local import Execution
-from launchers.op_load import load_op
-from launchers.op_needs import ASYNC_IO, CPU_ADAM, FUSED_ADAM, SHM_COMM, missing_here, note_missing, ops_for
+import launchers.study.op_prep as op_prep
+from launchers.ops.op_load import load_op
+from launchers.ops.op_needs import ASYNC_IO, CPU_ADAM, FUSED_ADAM, SHM_COMM, missing_here, note_missing, ops_for
+from launchers.trial.local import Execution
 from optimizer.study.errors import UserError
 from optimizer.study.knobs import OffloadDevice, ZeroStage
 from optimizer.study.specs import Accelerator, baseline_candidate
@@ -74,8 +74,8 @@ def test_the_ops_each_candidate_needs(accelerator, optimizer, param, ops, tiny):
     (True, ("cpu",), "cuda", ["fused_adam", "cpu_adam", "async_io"]),  # fused_adam: the FP32 reference's
 ])
 def test_the_ops_a_search_space_needs(tmp_path, nvme, offload, accelerator, names):
-    from launchers.op_needs import ops_needed
-    from launchers.trial import reference_candidate
+    from launchers.ops.op_needs import ops_needed
+    from launchers.trial.run import reference_candidate
 
     spec = _study(tmp_path, nvme=nvme, offload_optimizer=offload, accelerator=accelerator)
     wanted = ops_needed([*op_prep.study_candidates(spec), reference_candidate(spec)],
@@ -124,13 +124,13 @@ def test_the_child_reports_a_builder_that_is_incompatible_or_fails_to_load():
 
 
 def _fake_build(monkeypatch, tmp_path: Path, statuses: dict[str, str], calls: list | None = None):
-    """Replace the build subprocess: it reports ``statuses`` (builder → status) as launchers.op_load writes it; the
+    """Replace the build subprocess: it reports ``statuses`` (builder → status) as launchers.ops.op_load writes it; the
     node lock in a TORCH_EXTENSIONS_DIR of the test's own."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
 
     def execute(plan, *, timeout_s, log_path):
-        out = Path(plan.argv[plan.argv.index("launchers.op_load") + 1])
-        builders = [name.partition(":")[0] for name in plan.argv[plan.argv.index("launchers.op_load") + 2:]]
+        out = Path(plan.argv[plan.argv.index("launchers.ops.op_load") + 1])
+        builders = [name.partition(":")[0] for name in plan.argv[plan.argv.index("launchers.ops.op_load") + 2:]]
         if calls is not None:
             calls.append({"env": plan.env, "builders": builders, "timeout_s": timeout_s})
         report = {b: {"status": statuses.get(b, "ready"), "load_s": 1.5,
@@ -144,7 +144,7 @@ def _fake_build(monkeypatch, tmp_path: Path, statuses: dict[str, str], calls: li
 
 
 def test_one_build_before_the_trials_in_the_trials_environment(tmp_path, monkeypatch):
-    from launchers.local import extensions_dir
+    from launchers.trial.local import extensions_dir
 
     spec = _study(tmp_path)
     calls: list = []
@@ -160,7 +160,7 @@ def test_one_build_before_the_trials_in_the_trials_environment(tmp_path, monkeyp
 
 
 def test_a_missing_op_is_one_message_and_its_candidates_are_invalid_not_launched(tmp_path, monkeypatch):
-    from launchers import trial
+    from launchers.trial import run as trial
 
     spec = _study(tmp_path, nvme=True, offload_optimizer=("none", "cpu", "nvme"))
     said: list[str] = []
@@ -209,8 +209,8 @@ def test_a_missing_op_the_reference_needs_stops_before_it(tmp_path, monkeypatch)
 def test_a_study_records_a_proposal_that_needs_a_missing_op_as_invalid(tmp_path, monkeypatch):
     import optuna
 
-    from launchers import trial
-    from launchers.study_run import run_study
+    from launchers.study.study_run import run_study
+    from launchers.trial import run as trial
     from optimizer.search.objective import DIRECTIONS
     from optimizer.search.space import branches, distribution_params
 

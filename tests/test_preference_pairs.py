@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launchers.workloads.script_checks import batch_mismatch
+from launchers.rank.script_checks import batch_mismatch
 from optimizer.perf.throughput import work
 from optimizer.study.errors import UserError
 from optimizer.study.knobs import with_knobs
@@ -24,7 +24,7 @@ from tests.tiny_llama_study import LLAMA, llama_study
 
 
 def test_both_keys_reach_what_the_ranks_build_and_are_absent_by_default(tmp_path):
-    from launchers.trial import model_dict
+    from launchers.trial.run import model_dict
 
     study = load_study(llama_study(tmp_path, training_extra={"sequences_per_sample": 2},
                               model_extra={"lm_head": "trl_fused"}))
@@ -108,7 +108,7 @@ def test_the_formula_counts_the_rows_of_a_pair():
 
 
 def test_dsopt_stacks_a_micro_batch_as_trls_collator_every_first_row_then_every_second():
-    from launchers.workloads.trial_rank import _step_batches
+    from launchers.rank.trial_rank import _step_batches
 
     seen: list[list[int]] = []
 
@@ -138,7 +138,7 @@ def test_the_hook_expects_the_rows_of_the_candidates_pairs_and_hints_at_the_key(
 def test_trls_fused_head_is_traced_with_trls_own_tile_instead_of_the_logits():
     pytest.importorskip("trl")
     pytest.importorskip("transformers")
-    from launchers.trace import trace
+    from launchers.trace.tracer import trace
     from optimizer.study.knobs import Precision
 
     spec = {"hf_config": LLAMA, "attention": "eager", "vocab_size": LLAMA["vocab_size"],
@@ -158,7 +158,7 @@ def test_trls_fused_head_is_traced_with_trls_own_tile_instead_of_the_logits():
 def test_a_trial_outside_the_space_is_traced_too(tmp_path):
     # `dsopt trial --set checkpointing=full` on a space of none only planned the candidate with the formula (5.3 MB
     # for the DPO example's 39.0 MB run): the space's traces and the candidate's are needed
-    from launchers.study_traces import needed_traces
+    from launchers.trace.study_traces import needed_traces
     from optimizer.study.knobs import Precision, parse_checkpointing
 
     study = load_study(llama_study(tmp_path))

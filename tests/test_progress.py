@@ -1,5 +1,5 @@
-"""What a running study prints (optimizer/search/progress.py formats, launchers/progress.py prints): one concise line
-per finished trial, a status line, JSON lines for scripts. The study test replays stated measurements through
+"""What a running study prints (optimizer/search/progress.py formats, launchers/study/progress.py prints): one concise
+line per finished trial, a status line, JSON lines for scripts. The study test replays stated measurements through
 ``run_study``'s runner (no DeepSpeed: the printing is under test, not the trial)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 
 import optuna
 
-from launchers.progress import Progress, ProgressMode
-from launchers.study_run import run_study
+from launchers.study.progress import Progress, ProgressMode
+from launchers.study.study_run import run_study
 from optimizer.results.trial_result import Outcome, RankMeasurement, TrialResult
 from optimizer.search.progress import duration_text, eta_s, status_text, trial_line, trial_summary
 from optimizer.study.knobs import Precision, ZeroStage

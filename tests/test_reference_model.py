@@ -20,7 +20,7 @@ from tests.tiny_llama_study import llama_study
 
 
 def test_the_key_is_a_boolean_on_the_model_spec_and_in_what_the_ranks_build(tmp_path):
-    from launchers.trial import model_dict
+    from launchers.trial.run import model_dict
 
     study = load_study(llama_study(tmp_path, training_extra={"reference_model": True}))
     assert study.model.reference_model and model_dict(study.model)["reference_model"] is True
@@ -71,7 +71,7 @@ def _trl_prepare_deepspeed_config(config: dict) -> dict:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_reference_config_is_trls_own(stage):
     pytest.importorskip("trl")
-    from launchers.workloads.reference import reference_config
+    from launchers.models.reference import reference_config
 
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -142,7 +142,7 @@ TINY = {"layers": 2, "hidden_size": 32, "heads": 2, "kv_heads": 2, "ffn_size": 6
 
 @pytest.mark.parametrize("peft_fields", [None, {"peft_type": "LORA", "r": 4, "target_modules": ["q", "v"]}])
 def test_the_traced_step_holds_the_references_forward_on_top_of_the_policys_activations(peft_fields):
-    from launchers.trace import trace
+    from launchers.trace.tracer import trace
     from optimizer.study.knobs import Precision as P
 
     spec = {**TINY, **({"peft": peft_fields} if peft_fields else {})}

@@ -1,11 +1,11 @@
-"""What the script hook checks without a rank (launchers/workloads/script_checks.py): which process it measures,
+"""What the script hook checks without a rank (launchers/rank/script_checks.py): which process it measures,
 the engine against the candidate, recomputation against ``checkpointing``, the batch a forward sees."""
 
 from __future__ import annotations
 
 import torch
 
-from launchers.workloads.script_checks import (
+from launchers.rank.script_checks import (
     batch_shape,
     checkpointing_mismatch,
     engine_mismatches,
@@ -73,7 +73,7 @@ def test_the_batch_a_forward_sees():
 
 
 def test_why_a_script_ended_early_names_what_the_hook_saw():
-    from launchers.workloads.script_checks import ended_early
+    from launchers.rank.script_checks import ended_early
 
     assert ended_early(engine_seen=False, frozen_engines=0, done=0, warmup=2, measured=3).startswith(
         "the script never called deepspeed.initialize")

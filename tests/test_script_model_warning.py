@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from launchers.study_run import say_script_model
+from launchers.study.study_run import say_script_model
 from optimizer.ledger.transformer import parameter_count
 from optimizer.results.trial_result import Outcome, TrialResult
 from optimizer.study.study_file import load_study

@@ -1,4 +1,4 @@
-"""Traced activations on fake tensors (launchers/trace.py): the built-in GPT, a transformers Llama, a failing
+"""Traced activations on fake tensors (launchers/trace/tracer.py): the built-in GPT, a transformers Llama, a failing
 model, the cache, and the traced figures in the ledger with their source named."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from launchers.study_traces import TraceCache, cached_trace, traced_activation, with_traced_activations
-from launchers.trace import TraceFailure, TraceResult, trace
-from launchers.trial import model_dict
+from launchers.trace.study_traces import TraceCache, cached_trace, traced_activation, with_traced_activations
+from launchers.trace.tracer import TraceFailure, TraceResult, trace
+from launchers.trial.run import model_dict
 from optimizer.cli import main
 from optimizer.ledger.core import compute_ledger, evaluate
 from optimizer.ledger.transformer import activation_estimate, head_terms, largest_layer_parameters, parameter_count
@@ -228,7 +228,7 @@ def test_one_candidates_table_gives_the_ledger_the_whole_spaces_table_gives(llam
 
 
 def test_a_failure_of_the_machine_is_not_cached_and_is_traced_again(study, tmp_path, monkeypatch):
-    import launchers.trace as tracer
+    import launchers.trace.tracer as tracer
 
     real = tracer.trace
     calls = []

@@ -1,4 +1,4 @@
-"""Deep models traced from two shallow copies (launchers/trace_depth.py), the joint of activations and gradients,
+"""Deep models traced from two shallow copies (launchers/trace/trace_depth.py), the joint of activations and gradients,
 and MoE experts traced in every precision — each checked against a full-depth trace of the same model."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from launchers.study_traces import TraceCache, traced_activation
-from launchers.trace import TraceResult, joint_peak, trace
-from launchers.trace_depth import shallow_depths, spec_at_depth
-from launchers.trial import model_dict
-from launchers.workloads.builtin import build_model
-from launchers.workloads.cpu_memory import start_cpu_profiler, stop_cpu_profiler
-from launchers.workloads.fake_kernels import GROUPED_NOTE
+from launchers.models.builtin import build_model
+from launchers.models.fake_kernels import GROUPED_NOTE
+from launchers.rank.cpu_memory import start_cpu_profiler, stop_cpu_profiler
+from launchers.trace.study_traces import TraceCache, traced_activation
+from launchers.trace.trace_depth import shallow_depths, spec_at_depth
+from launchers.trace.tracer import TraceResult, joint_peak, trace
+from launchers.trial.run import model_dict
 from optimizer.ledger.core import Ledger, compute_ledger
 from optimizer.ledger.items import Category, Location, Phase
 from optimizer.ledger.transformer import parameter_count
@@ -130,7 +130,7 @@ def test_the_joint_of_activations_and_gradients_lies_between_its_parts(gpt):
 
 def _measured_step(model_spec: dict, *, micro_batch: int, sequence_length: int) -> tuple[int, int]:
     """(peak, final) live CPU tensor bytes over one real fp32 forward + backward of the model in plain PyTorch, counted
-    by c10's allocation counter as trials count them (launchers/workloads/cpu_memory.py). The counter starts at the
+    by c10's allocation counter as trials count them (launchers/rank/cpu_memory.py). The counter starts at the
     span's first allocation, after the model and the tokens exist: the parameters are not in it."""
     torch.manual_seed(0)
     net = build_model(model_spec, checkpointing="none", dtype=torch.float32)
@@ -139,7 +139,7 @@ def _measured_step(model_spec: dict, *, micro_batch: int, sequence_length: int) 
     torch.set_num_threads(1)  # the same tensors at any thread count; OpenMP's threads crawl on a busy 2-core machine
     try:
         profiler = start_cpu_profiler()
-        net(tokens).backward()  # the model returns its loss, as in the trace (launchers/trace.py)
+        net(tokens).backward()  # the model returns its loss, as in the trace (launchers/trace/tracer.py)
         peaks = stop_cpu_profiler(profiler)
     finally:
         torch.set_num_threads(threads)
@@ -180,7 +180,7 @@ def test_zero0_counts_the_gradients_made_by_the_joint_moment(tmp_path):
     # bytes), and peak where activations + the gradients made so far peak.
     measured, final = _measured_step(model_dict(model), micro_batch=4, sequence_length=seq)
     assert 4 * psi <= final <= 4 * psi + 512  # every gradient exists once backward ends
-    # Tolerance 1 %: the trace rounds every storage up to 512 bytes (MemTracker's rule, launchers/trace.py
+    # Tolerance 1 %: the trace rounds every storage up to 512 bytes (MemTracker's rule, launchers/trace/tracer.py
     # ALLOCATION_GRANULE), the CPU allocator counts exact bytes — a few KiB here (measured 26,388,504 against
     # 26,392,616 traced) — far inside the 4Ψ = 13 % by which the activations' high-water mark beside every gradient
     # over-states the peak.
@@ -216,12 +216,12 @@ def test_a_model_that_trains_in_part_extends_as_it_trains(setup):
 
 
 def test_a_lora_study_is_traced_from_shallow_copies(tmp_path, monkeypatch):
-    """The study's traces (launchers.study_traces.with_traced_activations) check the copies against the
+    """The study's traces (launchers.trace.study_traces.with_traced_activations) check the copies against the
     trainable count: before, they were checked against every parameter, never matched for a LoRA'd model, and
     each combination was traced at full depth (minutes per trace for Llama-2-7B)."""
     import yaml
 
-    from launchers.study_traces import with_traced_activations
+    from launchers.trace.study_traces import with_traced_activations
 
     config = {**FAMILIES["qwen2"]["config"], "num_hidden_layers": 8}
     study = {"name": "lora-depth", "model": {"kind": "transformer", "hf_config": config, "attention": "eager",

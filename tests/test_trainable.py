@@ -17,7 +17,7 @@ from tests.tiny_llama_study import LLAMA, llama_study
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from launchers.inventory import with_inventory  # noqa: E402
+from launchers.trace.inventory import with_inventory  # noqa: E402
 from optimizer.cli import main  # noqa: E402
 
 FAMILIES = {name: entry["config"] for name, entry in

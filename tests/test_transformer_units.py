@@ -2,7 +2,7 @@
 with its module, and every activation term with its label, formula and bytes.
 
 Where the figures come from:
-- module names are the attribute paths of dsopt's own GPT (launchers/workloads/builtin.py: ``embed_tokens``,
+- module names are the attribute paths of dsopt's own GPT (launchers/models/builtin.py: ``embed_tokens``,
   ``embed_positions``, ``layers.N.norm1``, ``.attn.q/k/v/o``, ``.norm2``, ``.mlp.fc/proj`` or ``gate/up/down``,
   ``final_norm``, ``lm_head``), which ZeRO-3 gathers module by module;
 - activation labels and formulas are the rows the ledger table prints (optimizer/results/report.py renders

@@ -16,7 +16,7 @@ def test_stale_build_locks_are_cleared_but_fresh_ones_kept(tmp_path):
     import os
     import time
 
-    from launchers.local import clear_stale_build_locks
+    from launchers.trial.local import clear_stale_build_locks
 
     stale = tmp_path / "py311_cpu" / "fused_adam" / "lock"
     fresh = tmp_path / "py311_cpu" / "cpu_adam" / "lock"
@@ -42,11 +42,11 @@ def _fake_launch(monkeypatch, *, reports, returncode, evidence=None):
     """Replace the launch (no ranks start): ``reports`` are written as the ranks' ``rank<r>.json``."""
     import json
 
-    import launchers.trial as trial
-    from launchers.local import Execution
+    import launchers.trial.run as trial
+    from launchers.trial.local import Execution
 
     def execute(plan, *, timeout_s, log_path):
-        out_dir = Path(plan.argv[-1])  # launchers.workloads.trial_rank PLAN.json OUT_DIR
+        out_dir = Path(plan.argv[-1])  # launchers.rank.trial_rank PLAN.json OUT_DIR
         for rank, report in reports.items():
             (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
         log_path.write_text("torchrun log\n")
@@ -70,7 +70,7 @@ def _fake_launch(monkeypatch, *, reports, returncode, evidence=None):
 def test_result_json_carries_the_versions_and_the_host_memory_seen(repo_root, tmp_path, monkeypatch):
     import json
 
-    from launchers.trial import run_trial
+    from launchers.trial.run import run_trial
     from optimizer.study.specs import baseline_candidate
 
     study = _tiny_study(repo_root, tmp_path)
@@ -87,7 +87,7 @@ def test_result_json_carries_the_versions_and_the_host_memory_seen(repo_root, tm
 def test_a_launch_the_oom_killer_ended_is_recorded_as_oom_host(repo_root, tmp_path, monkeypatch):
     import json
 
-    from launchers.trial import run_trial
+    from launchers.trial.run import run_trial
     from optimizer.study.specs import baseline_candidate
 
     study = _tiny_study(repo_root, tmp_path)
@@ -101,7 +101,7 @@ def test_a_launch_the_oom_killer_ended_is_recorded_as_oom_host(repo_root, tmp_pa
 def test_a_reference_cached_under_other_versions_is_run_again(repo_root, tmp_path, monkeypatch):
     import json
 
-    import launchers.trial as trial
+    import launchers.trial.run as trial
     from optimizer.results.trial_result import TrialResult
 
     study = _tiny_study(repo_root, tmp_path)
@@ -128,7 +128,7 @@ def test_a_reference_cached_under_other_versions_is_run_again(repo_root, tmp_pat
     assert trial.reference_losses(study) == [2.0, 1.5]  # not the stale 9.0s
     assert len(runs) == 1
     stored = json.loads(cache.read_text())
-    # cpu-tiny's baseline: FP32 at stage 0 fits its 2 GiB ranks, so it is the reference (launchers/trial.py)
+    # cpu-tiny's baseline: FP32 at stage 0 fits its 2 GiB ranks, so it is the reference (launchers/trial/run.py)
     assert stored == {"key": key, "versions": current, "losses": [2.0, 1.5],
                       "candidate": {"zero_stage": 0, "offload_optimizer": "none", "offload_param": "none",
                                     "precision": "fp32", "checkpointing": "none", "micro_batch_size": 2}}
@@ -139,7 +139,7 @@ def test_a_reference_cached_under_other_versions_is_run_again(repo_root, tmp_pat
 def test_a_reference_that_crashed_is_launched_once_more_as_a_trial_would_be(repo_root, tmp_path, monkeypatch):
     # A rank that aborted at exit after writing its report ("terminate called without an active exception", seen
     # once on CPU ranks) made the FP32 reference a crash, and the study stopped; a trial's crash is retried
-    import launchers.trial as trial
+    import launchers.trial.run as trial
     from optimizer.results.trial_result import TrialResult
 
     study = _tiny_study(repo_root, tmp_path)

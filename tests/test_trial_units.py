@@ -10,11 +10,11 @@ import pytest
 import torch
 from trial_fixtures import FAR, KILLED, NEAR, rank_report
 
-from launchers.local import LAUNCH_ID_VAR, build_launch_plan
-from launchers.workloads.blocks import recomputed_blocks
-from launchers.workloads.builtin import SyntheticTokens
-from launchers.workloads.cpu_memory import COUNT_FLAG, count_every_thread, start_cpu_profiler, stop_cpu_profiler
-from launchers.workloads.trial_rank import NonFiniteLoss, classify
+from launchers.models.blocks import recomputed_blocks
+from launchers.models.builtin import SyntheticTokens
+from launchers.rank.cpu_memory import COUNT_FLAG, count_every_thread, start_cpu_profiler, stop_cpu_profiler
+from launchers.rank.trial_rank import NonFiniteLoss, classify
+from launchers.trial.local import LAUNCH_ID_VAR, build_launch_plan
 from optimizer.results.host_oom import HostMemoryEvidence
 from optimizer.results.trial_result import Outcome, loss_fidelity, summarize
 
@@ -26,7 +26,7 @@ def test_launch_plan_snapshot():
                              extensions_dir=Path("/venv/torch_extensions"))
     assert plan.argv == ("/venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
                          "2", "--master_addr", "127.0.0.1", "--master_port", "29511", "-m",
-                         "launchers.workloads.trial_rank",
+                         "launchers.rank.trial_rank",
                          "/t/plan.json", "/t")
     assert plan.env == {"PATH": "/bin", "PYTHONUNBUFFERED": "1", "PYTHONPATH": "/repo:/studies",
                         "OMP_NUM_THREADS": "1", "TORCHELASTIC_ERROR_FILE": "/t/elastic_error.json",
@@ -148,7 +148,7 @@ def test_classification_is_by_exception(error, kind, cpu_ranks):
 
 
 def test_classification_defaults_to_the_ranks_the_trial_runs_on(monkeypatch):
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # as launchers.local sets it for CPU ranks
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # as launchers.trial.local sets it for CPU ranks
     assert classify(CPU_ALLOCATOR_OOM) == "oom"
 
 
@@ -287,7 +287,7 @@ def test_recomputed_blocks_follow_the_knob():
     ],
 )
 def test_the_workload_has_the_ledgers_parameter_count(spec):
-    from launchers.workloads.builtin import GPT
+    from launchers.models.builtin import GPT
     from optimizer.ledger.transformer import largest_tensor_parameters, parameter_count
     from optimizer.study.specs import TransformerModel
 
@@ -301,7 +301,7 @@ def test_the_workload_has_the_ledgers_parameter_count(spec):
 def test_reference_candidate_is_the_baseline_or_its_least_memory_fp32_variant(repo_root, tmp_path):
     import yaml
 
-    from launchers.trial import reference_candidate
+    from launchers.trial.run import reference_candidate
     from optimizer.ledger.core import evaluate
     from optimizer.study.errors import UserError
     from optimizer.study.specs import Precision, baseline_candidate
@@ -329,7 +329,7 @@ def test_the_norm_where_deepspeed_gives_none_is_every_gradients_norm():
 
     import torch
 
-    from launchers.workloads.trial_rank import _grad_norm, _reports_grad_norm
+    from launchers.rank.trial_rank import _grad_norm, _reports_grad_norm
 
     layer = torch.nn.Linear(3, 2)
     layer.weight.grad = torch.tensor([[3.0, 4.0, 0.0], [0.0, 0.0, 0.0]])

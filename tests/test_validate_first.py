@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-import launchers.inventory
-import launchers.study_traces
+import launchers.trace.inventory
+import launchers.trace.study_traces
 import optimizer.search.storage
 from optimizer.cli import main
 from optimizer.study.study_file import load_study
@@ -48,8 +48,8 @@ def guarded(tmp_path, monkeypatch):
     def built(*args, **kwargs):
         raise Built("a build step ran before the input was refused")
 
-    monkeypatch.setattr(launchers.inventory, "take_inventory", built)
-    monkeypatch.setattr(launchers.study_traces, "traced_activation", built)
+    monkeypatch.setattr(launchers.trace.inventory, "take_inventory", built)
+    monkeypatch.setattr(launchers.trace.study_traces, "traced_activation", built)
     monkeypatch.setattr(optimizer.search.storage, "open_storage", built)
 
     def write(**changes) -> Path:

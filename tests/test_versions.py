@@ -85,7 +85,7 @@ def test_pyproject_requires_the_deepspeed_the_ledger_follows(repo_root):
     project = tomllib.loads((repo_root / "pyproject.toml").read_text())["project"]
     pins = dict(tuple(part.strip() for part in spec.split(">=")) for spec in project["dependencies"] if ">=" in spec)
     assert pins["deepspeed"] == CITED  # the ledger's release, as its lower bound
-    assert pins["torch"] == "2.5"  # MemTracker (launchers/trace.py) was first released in torch 2.5
+    assert pins["torch"] == "2.5"  # MemTracker (launchers/trace/tracer.py) was first released in torch 2.5
 
 
 def test_dsopt_ledger_warns_about_another_deepspeed_on_one_line(monkeypatch, capsys, seed_study_path):

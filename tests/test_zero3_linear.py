@@ -1,4 +1,4 @@
-"""The ZeRO-3 run's linear in the traces (launchers/workloads/zero3_linear.py): it saves what DeepSpeed's own
+"""The ZeRO-3 run's linear in the traces (launchers/models/zero3_linear.py): it saves what DeepSpeed's own
 ``LinearFunctionForZeroStage3`` saves, DeepSpeed really leaves it in place after ``zero.Init``, and the ledger
 takes the ZeRO-3 trace only for a ZeRO-3 candidate of a model that trains in part."""
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from launchers.study_traces import needed_traces
-from launchers.workloads.zero3_linear import _zero3_linear, deepspeed_linear
+from launchers.models.zero3_linear import _zero3_linear, deepspeed_linear
+from launchers.trace.study_traces import needed_traces
 from optimizer.study.knobs import Precision
 from optimizer.study.study_file import load_study
 from optimizer.study.traced_activation import TracedActivation

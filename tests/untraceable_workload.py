@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from launchers.workloads.builtin import GPT
+from launchers.models.builtin import GPT
 
 
 class _Masked(torch.nn.Module):

@@ -22,7 +22,7 @@ from optimizer.study.study_file import StudySpec, load_study
 if TYPE_CHECKING:
     import optuna
 
-    from launchers.node_share import WorkerSlot
+    from launchers.trial.node_share import WorkerSlot
 
 class Parser(argparse.ArgumentParser):
     """argparse with a usage mistake as one line (what is wrong, and where the help is), exit code 2."""
@@ -53,7 +53,7 @@ def psi(study: StudySpec) -> int:
 def counted(study: StudySpec) -> StudySpec:
     """The study with its model's parameter inventory when its code builds it (torch is imported only then)."""
     if isinstance(study.model, TransformerModel) and study.model.counted_from_code:
-        from launchers.inventory import with_inventory
+        from launchers.trace.inventory import with_inventory
 
         return with_inventory(study)
     return study
@@ -69,7 +69,7 @@ def prepared_study(study: StudySpec, *, candidates: Sequence[Candidate] | None =
     This is the first step that builds or writes anything: every command checks all its input before it."""
     study = counted(study)
     if isinstance(study.model, TransformerModel) and study.model.wants_trace:
-        from launchers.study_traces import with_traced_activations
+        from launchers.trace.study_traces import with_traced_activations
 
         study = with_traced_activations(study, candidates=candidates, also=also)
     return study
@@ -143,7 +143,7 @@ def speed_json(speed: StepTime | str | None) -> dict[str, object]:
 def runnable_study(path: str, *, slot: WorkerSlot | None = None) -> tuple[StudySpec, tuple[str, ...] | None]:
     """The study file and this worker's GPU slice (None: CPU ranks or whole nodes), refused (exit 2) if it
     cannot run trials here."""
-    from launchers.trial import check_devices
+    from launchers.trial.run import check_devices
     from optimizer.search.space import branches
 
     study = load_study(path)
@@ -153,7 +153,7 @@ def runnable_study(path: str, *, slot: WorkerSlot | None = None) -> tuple[StudyS
     return counted(study), gpus  # traced by run_study, once the storage is open
 
 def shared_storage(args: argparse.Namespace) -> str:
-    from launchers.slurm import STORAGE_VAR
+    from launchers.cluster.slurm import STORAGE_VAR
 
     storage = args.storage or os.environ.get(STORAGE_VAR)
     if not storage:
@@ -162,7 +162,7 @@ def shared_storage(args: argparse.Namespace) -> str:
     return storage
 
 def slot(text: str) -> WorkerSlot:
-    from launchers.node_share import parse_slot
+    from launchers.trial.node_share import parse_slot
 
     try:
         return parse_slot(text)
@@ -184,7 +184,7 @@ def positive_seconds(text: str) -> float:
     return value
 
 def progress_flags(parser: argparse.ArgumentParser) -> None:
-    """``--quiet`` / ``--jsonl``: what a running study prints (launchers/progress.py)."""
+    """``--quiet`` / ``--jsonl``: what a running study prints (launchers/study/progress.py)."""
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--quiet", action="store_true", help="no line per trial: only when the worker waits or "
                        "stops, errors, and the summary")

@@ -11,10 +11,11 @@ from optimizer.study.study_file import load_study
 
 
 def run(args: argparse.Namespace) -> int:
-    """``dsopt dashboard``: optuna-dashboard on the study's storage, with its trials' files (launchers/artifacts.py)."""
+    """``dsopt dashboard``: optuna-dashboard on the study's storage, with its trials' files
+    (launchers/study/artifacts.py)."""
     from optuna.artifacts import FileSystemArtifactStore
 
-    from launchers.artifacts import default_store_dir
+    from launchers.study.artifacts import default_store_dir
 
     study = load_study(args.study)
     _, opened = stored(study, args.storage)  # readable, never created

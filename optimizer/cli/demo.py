@@ -10,8 +10,8 @@ from optimizer.study.study_file import load_study
 
 
 def run(args: argparse.Namespace) -> int:
-    from launchers.demo import DEMO_STUDY, run_demo
-    from launchers.trial import ReferenceFailed, check_devices
+    from launchers.study.demo import DEMO_STUDY, run_demo
+    from launchers.trial.run import ReferenceFailed, check_devices
     from optimizer.results.pareto import front_table, headroom_lines
 
     study = load_study(args.study or DEMO_STUDY)  # checked, with its devices, before anything is built or run

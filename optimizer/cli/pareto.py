@@ -11,7 +11,7 @@ from optimizer.study.study_file import load_study
 
 
 def run(args: argparse.Namespace) -> int:
-    from launchers.study_traces import with_traced_activations
+    from launchers.trace.study_traces import with_traced_activations
     from optimizer.results.pareto import front_table
     from optimizer.results.pareto_plot import write_html, write_png
     from optimizer.search.untried import untried_options, untried_text

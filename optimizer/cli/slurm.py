@@ -11,7 +11,7 @@ from optimizer.study.study_file import load_study
 
 
 def _slurm_submit(args: argparse.Namespace) -> int:
-    from launchers.slurm import STORAGE_VAR, check_submission, submit
+    from launchers.cluster.slurm import STORAGE_VAR, check_submission, submit
     from optimizer.search.space import branches
 
     study = load_study(args.study)
@@ -32,7 +32,7 @@ def _slurm_submit(args: argparse.Namespace) -> int:
     return 0
 
 def _slurm_status(args: argparse.Namespace) -> int:
-    from launchers.slurm import job_lines, load_for_status, worker_table
+    from launchers.cluster.slurm import job_lines, load_for_status, worker_table
 
     study = load_study(args.study)
     storage = shared_storage(args)

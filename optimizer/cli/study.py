@@ -13,9 +13,9 @@ from optimizer.study.study_file import StudySpec
 def _run(study: StudySpec, storage: str, args: argparse.Namespace, *, parallel: bool,
          gpus: tuple[str, ...] | None) -> int:
     """``dsopt study run`` and ``dsopt worker``: run, then one summary line."""
-    from launchers.progress import ProgressMode
-    from launchers.study_run import run_study
-    from launchers.trial import ReferenceFailed
+    from launchers.study.progress import ProgressMode
+    from launchers.study.study_run import run_study
+    from launchers.trial.run import ReferenceFailed
     from optimizer.search.progress import counts
 
     mode = ProgressMode.JSONL if args.jsonl else ProgressMode.QUIET if args.quiet else ProgressMode.HUMAN
@@ -39,7 +39,7 @@ def _run(study: StudySpec, storage: str, args: argparse.Namespace, *, parallel: 
     return 0
 
 def _study_run(args: argparse.Namespace) -> int:
-    from launchers.study_run import default_storage
+    from launchers.study.study_run import default_storage
 
     if args.storage:
         check_storage_url(args.storage)  # every input is checked before the model is counted or a file written

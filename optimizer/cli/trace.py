@@ -10,7 +10,7 @@ from optimizer.study.study_file import load_study
 
 
 def run(args: argparse.Namespace) -> int:
-    from launchers.study_traces import trace_rows
+    from launchers.trace.study_traces import trace_rows
 
     study = load_study(args.study)
     runnable_model(study, what="trace")

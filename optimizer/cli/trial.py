@@ -15,7 +15,7 @@ from optimizer.study.study_file import load_study
 
 
 def run(args: argparse.Namespace) -> int:
-    from launchers.trial import (
+    from launchers.trial.run import (
         ReferenceFailed,
         check_devices,
         reference_candidate,

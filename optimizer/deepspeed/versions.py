@@ -9,7 +9,7 @@ where trials are launched and in ``dsopt ledger``. It is a warning, not an error
 :func:`release` and :func:`deepspeed_mismatch` are pure; :func:`installed_versions` reads the installed
 distributions' metadata (``importlib.metadata``: nothing is imported, so ``dsopt ledger`` stays torch-free).
 The versions go into the FP32 reference's cache key and into every ``result.json``
-(:mod:`launchers.trial`): a reference measured under another torch or DeepSpeed is not served.
+(:mod:`launchers.trial.run`): a reference measured under another torch or DeepSpeed is not served.
 """
 
 from __future__ import annotations

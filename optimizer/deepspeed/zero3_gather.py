@@ -17,7 +17,7 @@ reaches backward's entries before forward ends, and the parameters it marks for 
 gathered across the forward→backward turn: measured on 2 CPU ranks (qwen2, h 64, 2/4/8 layers, fp32), 111,680
 of 156,736, 157,504 of 247,872 and 253,248 of 430,144 parameters were gathered when forward ended, where "the
 largest module twice + one prefetch bucket" says 69,000. :func:`replay` replays those rules over a
-traced module order (:mod:`launchers.trace`): the most non-persistent elements gathered at once.
+traced module order (:mod:`launchers.trace.tracer`): the most non-persistent elements gathered at once.
 
 Not replayed: the first step (no trace yet: everything is released at once, so less is gathered), NVMe
 prefetch, leaf modules (``z3_leaf_module``), recomputation's extra parameters.

@@ -16,7 +16,7 @@ largest of them).
   to fp32; backward (``MatMul4Bit.backward``) to the dtype the weight was quantized from — the training dtype,
   as ``from_pretrained(dtype=...)`` loads it — then ``.to`` the gradient's dtype (the compute dtype). One weight at
   a time, freed after its matmul. A trace of the model emulates these allocations layer by layer
-  (``launchers/workloads/four_bit.py`` ``emulate_four_bit_matmuls``), so the traced activations hold the dequantized
+  (``launchers/models/four_bit.py`` ``emulate_four_bit_matmuls``), so the traced activations hold the dequantized
   weight exactly where it coexists with them (the activation peak is often at the LM head, which is not 4-bit);
   where the activations come from the formula, the largest one is added at the peak instead. ``MatMul4Bit`` saves
   the packed weight only (``ctx.tensors = (None, B)``), no input: a 4-bit Linear keeps for backward what a

@@ -229,7 +229,7 @@ def transformer_items(
                          gloo=hardware.accelerator is Accelerator.CPU)
 
     items += held_items(z, candidate)
-    if traced is None:  # a trace holds the dequantized weights where they happen (launchers/workloads/four_bit.py)
+    if traced is None:  # a trace holds the dequantized weights where they happen (launchers/models/four_bit.py)
         items += dequantized_items(model, candidate, split=split)
     items += reference_items(z, candidate, settings, model)
     items += activation_items(model=model, candidate=candidate, sequence_length=training.sequence_length,

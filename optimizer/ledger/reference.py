@@ -8,7 +8,7 @@ optimizer: the partition, the persistent small tensors, what is gathered for its
 ``offload_param`` still applies (``offload_optimizer`` is dropped). No gradient, master copy or optimizer state
 exists for it. With ``model.peft`` TRL makes no copy: the reference is the policy with its adapters disabled
 (``dpo_trainer.py:909-914, 1328-1336``), so only its forward's working memory remains — which the traced step
-holds (:mod:`launchers.workloads.reference`: the reference's forward runs after the policy's, under no_grad, on
+holds (:mod:`launchers.models.reference`: the reference's forward runs after the policy's, under no_grad, on
 top of the policy's saved activations)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ log and itself exits 1 (``torch/distributed/elastic/multiprocessing/errors/__ini
 it writes no ``TORCHELASTIC_ERROR_FILE`` for a rank that died by a signal (``record`` dumps only a child's own
 error file, and a SIGKILLed rank has none). The launch's exit status is SIGKILL itself — ``-9`` from
 ``Popen``, ``137`` from a shell — only when the launcher was the victim. So the launcher records what the
-kernel says instead (:mod:`launchers.host_watch`): its count of OOM kills over the launch — cgroup v2
+kernel says instead (:mod:`launchers.trial.host_watch`): its count of OOM kills over the launch — cgroup v2
 ``memory.events`` ``oom_kill`` of the launcher's cgroup (Linux ``Documentation/admin-guide/cgroup-v2.rst``;
 the victim's cgroup counts every OOM kill, global or cgroup-limited) or, without one, the system-wide
 ``/proc/vmstat`` ``oom_kill`` (Linux ≥ 4.13) — and the host memory in use, sampled while the ranks ran.
@@ -26,7 +26,7 @@ SIGKILL_EXIT_CODES = (-9, 128 + 9)
 """The launch's exit status when it was SIGKILLed: ``Popen.returncode`` is −signal; a shell reports 128 + signal."""
 NEAR_LIMIT_FRACTION = 0.9
 """Host memory in use ≥ this share of its limit is "near the limit". The sampler looks every
-:data:`launchers.host_watch.SAMPLE_EVERY_S` seconds, and the kernel kills as soon as memory runs out, so the
+:data:`launchers.trial.host_watch.SAMPLE_EVERY_S` seconds, and the kernel kills as soon as memory runs out, so the
 last sample before a kill can sit a few percent below 100 %; 90 % leaves that room without calling an
 ordinary busy machine (page cache excluded, see :class:`HostMemoryEvidence`) full."""
 GIB = 2**30

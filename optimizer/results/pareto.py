@@ -61,7 +61,7 @@ def pick_trial(study: optuna.Study, how: str, *, budget_bytes: int | None = None
     ``smallest`` and ``balanced`` choose only among front points whose memory objective (bytes per device)
     is ≤ ``headroom.usable_bytes(budget_bytes)``, and none there is a :class:`UserError` naming
     ``budget.headroom``; ``trial=N`` is taken even above it (:func:`headroom_lines` warns). Neither: every
-    front point (launchers/demo.py's pick, until it passes the study's).
+    front point (launchers/study/demo.py's pick, until it passes the study's).
     """
     if (budget_bytes is None) != (headroom is None):
         raise ValueError("pick_trial takes budget_bytes and headroom together, or neither")
@@ -122,7 +122,7 @@ def headroom_lines(study: optuna.Study, *, picked: optuna.trial.FrozenTrial, how
                    headroom: Headroom) -> list[str]:
     """What ``dsopt export`` prints about the headroom: the usable bytes and how many front points are within
     them, the front points left out (label, % of the budget), and a warning when ``picked`` is above the
-    headroom, by how much (``trial=N``, or a pick made without the headroom: launchers/demo.py's today)."""
+    headroom, by how much (``trial=N``, or a pick made without the headroom: launchers/study/demo.py's today)."""
     front = feasible_front(study)
     within, above = split_by_headroom(front, budget_bytes=budget_bytes, headroom=headroom)
     unit, scale, note = size_unit(budget_bytes)

@@ -3,7 +3,7 @@
 A trial's four results are the seed's: per-card peak memory (allocated and reserved), step time and
 throughput, loss and gradient sanity, and agreement with an FP32 baseline (loss fidelity). A failing
 trial is data: it carries its :class:`Outcome` and the tail of its log. A trial given a :class:`StopAbove`
-stops as soon as a rank's measured peak goes over it (``launchers/workloads/trial_rank.py``); it is an ``oom``
+stops as soon as a rank's measured peak goes over it (``launchers/rank/trial_rank.py``); it is an ``oom``
 that keeps what it measured until then, and where it stopped (``stopped_at``).
 """
 
@@ -44,13 +44,13 @@ INIT_STOP = "init"
 """``stopped_at`` of a trial stopped over the init phase's limit; ``"step N"`` after attempted step N (0-based)."""
 DEVICE_MEMORY_FIELDS = ("device_memory_source", "device_used_init_bytes", "device_non_torch_init_bytes",
                         "device_used_peak_bytes", "device_non_torch_peak_bytes")
-"""The rank report's readings of the device as the driver sees it (:mod:`launchers.workloads.device_memory`)."""
+"""The rank report's readings of the device as the driver sees it (:mod:`launchers.rank.device_memory`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StopAbove:
     """The per-rank measured peak above which a rank stops — CUDA: ``max_memory_reserved``; CPU ranks: the
-    live-tensor peak (:mod:`launchers.workloads.cpu_memory`). A peak equal to a limit goes on."""
+    live-tensor peak (:mod:`launchers.rank.cpu_memory`). A peak equal to a limit goes on."""
 
     training_bytes: int
     """The training phase's limit: the peak after the init phase (bytes)."""
@@ -101,7 +101,7 @@ class RankMeasurement:
     init_peak_reserved_bytes: int | None = None
     """The CUDA reserved peak of the init phase alone; None on CPU ranks."""
     construction: str | None = None
-    """How the model was built: ``zero_init``, ``device`` or ``full`` (:mod:`launchers.workloads.construction`)."""
+    """How the model was built: ``zero_init``, ``device`` or ``full`` (:mod:`launchers.models.construction`)."""
     built_partitioned: bool | None = None
     """Whether the parameters were ZeRO-3 partitioned as they were built (``zero.Init`` took effect)."""
     training_peak_allocated_bytes: int | None = None
@@ -110,7 +110,7 @@ class RankMeasurement:
     """The CUDA reserved peak of training alone (the pool init left cached included); None on CPU ranks."""
     device_memory_source: str | None = None
     """Which reader gave the ``device_*`` figures: ``nvml_process``, ``nvml_device`` or ``cuda_mem_get_info``
-    (:mod:`launchers.workloads.device_memory`); None on CPU ranks, or where no reader answered."""
+    (:mod:`launchers.rank.device_memory`); None on CPU ranks, or where no reader answered."""
     device_used_init_bytes: int | None = None
     """The process's use of its device as the driver sees it (CUDA context, NCCL, cuBLAS and PyTorch's pool), read
     once ``deepspeed.initialize`` is done (bytes; None on CPU ranks)."""

@@ -64,7 +64,7 @@ def record_measured_capacity(study: optuna.Study, result: TrialResult) -> int | 
 
 
 def record_result_json(study: optuna.Study, data: Mapping[str, Any]) -> None:
-    """Record what a trial's ``result.json`` (``launchers.trial.result_json``) says of the device — the FP32
+    """Record what a trial's ``result.json`` (``launchers.trial.run.result_json``) says of the device — the FP32
     reference's (``studies/NAME/reference/result.json``), which runs before any search trial, so that the first
     trial already plans with it. Only the device's figures are read."""
     ranks = tuple(RankMeasurement(rank=int(rank["rank"]), peak_allocated_bytes=None, peak_reserved_bytes=None,

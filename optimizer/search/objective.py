@@ -23,7 +23,7 @@ the front (``study.best_trials`` is Optuna's feasible Pareto front).
 
 Every launch — retries included — is counted on the trial (``launches``); ``--n-trials`` and
 ``budget.max_launches`` count those (:func:`optimizer.search.coordination.launches_used`). An ``invalid`` result
-that started no rank (a DeepSpeed op this node cannot build, :mod:`launchers.op_prep`) counts none.
+that started no rank (a DeepSpeed op this node cannot build, :mod:`launchers.study.op_prep`) counts none.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
 
     ``artifact_dir`` names where a launched trial keeps its files (recorded as the ``trial_dir`` attribute);
     ``after_launch`` is called with the trial, still running, once its launch returned (ok or not): the
-    artifact upload (:mod:`launchers.artifacts`; a finished trial can take no artifact).
+    artifact upload (:mod:`launchers.study.artifacts`; a finished trial can take no artifact).
     A trial that finds the budget spent is PRUNED with ``budget_stop`` set. ``models`` gives the study's
     calibrated models (:mod:`optimizer.search.ordering`): pruning then uses the calibrated memory prediction.
     """
@@ -181,7 +181,7 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
         if artifact_dir is not None:
             trial.set_user_attr("trial_dir", artifact_dir(candidate))
         result = runner(candidate)
-        # An invalid result started no rank (an op this node cannot build, launchers/op_prep.py): no launch spent.
+        # An invalid result started no rank (an op this node cannot build, launchers/study/op_prep.py): no launch spent.
         trial.set_user_attr(LAUNCHES_ATTR, 0 if result.outcome is Outcome.INVALID and not result.ranks else 1)
         failed: list[dict[str, Any]] = []
         while result.outcome in RETRIED and len(failed) < spec.trial.retries:  # maybe transient: once more

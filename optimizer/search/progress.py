@@ -1,5 +1,5 @@
 """What a running study tells a person or a script: one line per finished trial, a status line, a JSON record
-(pure: formatting only; :mod:`launchers.progress` prints).
+(pure: formatting only; :mod:`launchers.study.progress` prints).
 
 A finished trial reads ``#7  z2 bf16 ckpt=full mbs=4  2.44 MB  10,099 tok/s  ✓ front`` — its number, the
 candidate's label (:meth:`optimizer.study.knobs.Candidate.label`, the one identity the ledger, the launch and the

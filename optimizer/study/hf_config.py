@@ -2,7 +2,7 @@
 
 The ledger needs the shape (layers, widths, heads, vocabulary) and the block's kind (SwiGLU, RMSNorm, GQA,
 biases, dropout); trials and traces build the real ``transformers`` class from the same dict
-(:mod:`launchers.workloads.hf_model`). Nothing is downloaded and ``transformers`` is not imported here.
+(:mod:`launchers.models.hf_model`). Nothing is downloaded and ``transformers`` is not imported here.
 
 Read here, without transformers: ``llama`` and ``mistral`` (``LlamaConfig``/``MistralConfig`` in transformers:
 pre-norm RMSNorm blocks, SwiGLU MLP of ``intermediate_size``, rotary positions, grouped-query attention with

@@ -2,7 +2,7 @@
 
 A shape (layers, widths, heads) describes a GPT-2 or Llama block; a real model may carry more (Qwen2's q/k/v
 biases, Gemma's tied head and GeGLU, Phi-3's fused projections, Mixtral's experts, a user's own module). So for
-a ``transformers`` config or an entry point, :mod:`launchers.inventory` builds the model on PyTorch's ``meta``
+a ``transformers`` config or an entry point, :mod:`launchers.trace.inventory` builds the model on PyTorch's ``meta``
 device (shapes and dtypes only, nothing allocated) and records each parameter once — its qualified name, shape,
 dtype, the module that owns it and that module's class — and which names share one tensor (tied weights,
 counted once, as ``model.num_parameters()`` and DeepSpeed count them). The ledger's model-state items take Ψ,
@@ -11,7 +11,7 @@ from the inventory (:func:`optimizer.ledger.transformer.parameter_tensors`); the
 by their shape alone, where it equals the inventory of dsopt's own GPT exactly (tested).
 
 Each tensor says whether it trains (``requires_grad`` after the study's ``training.frozen`` and ``model.peft`` are
-applied, :mod:`launchers.workloads.trainable`): DeepSpeed builds gradients, master weights and optimizer states for
+applied, :mod:`launchers.models.trainable`): DeepSpeed builds gradients, master weights and optimizer states for
 the trainable ones only (``runtime/utils.py:815-825`` ``is_optimized_parameter``; ``stage_1_and_2.py:428-434``;
 ``stage3.py:726-745``), while it holds, casts and (at ZeRO-3) partitions every one (docs/ledger.md, "Trainable and
 frozen").

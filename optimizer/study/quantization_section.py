@@ -9,7 +9,7 @@ whole modules (``llm_int8_enable_fp32_cpu_offload``) and any field BitsAndBytesC
 Which Linear layers turn 4-bit is transformers' rule (``quantizers/quantizer_bnb_4bit.py``
 ``_process_model_before_weight_loading``): every ``nn.Linear`` (and GPT-2's ``Conv1D``) except the output embedding,
 the last module, tied weights (``quantizers/base.py`` ``get_keys_to_not_convert``) and ``llm_int8_skip_modules``;
-:mod:`launchers.inventory` applies that rule to the built model.
+:mod:`launchers.trace.inventory` applies that rule to the built model.
 
 Kept as canonical JSON (sorted keys, every field at its value or default) on
 :class:`~optimizer.study.specs.TransformerModel`, like ``model.peft``: it is part of what the ranks build.

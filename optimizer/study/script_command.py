@@ -2,7 +2,7 @@
 knob reaches the script, and the command line of one candidate (pure).
 
 The command is a list of strings, e.g. ``["python", "train.py", "--deepspeed", "{ds_config}"]``, run on every rank
-by torchrun (``launchers/trial.py``). ``{name}`` is a placeholder (:data:`PLACEHOLDERS`); ``{{`` and ``}}`` are
+by torchrun (``launchers/trial/run.py``). ``{name}`` is a placeholder (:data:`PLACEHOLDERS`); ``{{`` and ``}}`` are
 literal braces. ``{ds_config}`` must appear: it is how the candidate reaches the script.
 
 Which knobs need a placeholder (:func:`uncovered_knobs`): ZeRO stage and offload are always in the DeepSpeed JSON;

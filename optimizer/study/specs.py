@@ -77,7 +77,7 @@ class ActivationSource(StrEnum):
     FORMULA = "formula"
     """Korthikanti et al. 2022, generalised term by term (:mod:`optimizer.ledger.transformer`)."""
     TRACE = "trace"
-    """The study's own model run on fake tensors (:mod:`launchers.trace`), the formula where a trace failed."""
+    """The study's own model run on fake tensors (:mod:`launchers.trace.tracer`), the formula where a trace failed."""
     AUTO = "auto"
     """The trace where the model can be traced (a study file's default), the formula with a warning elsewhere."""
 
@@ -154,7 +154,7 @@ class TransformerModel:
     max_positions: int = 1024
     """Rows of the learned position table (the study's sequence length unless given)."""
     entry_point: str | None = None
-    """``module:function`` building the user's own model for trials (see launchers/workloads/builtin.py); the ledger
+    """``module:function`` building the user's own model for trials (see launchers/models/builtin.py); the ledger
     still uses the shape above."""
     hf_config: str | None = None
     """A Hugging Face ``transformers`` config as canonical JSON (:mod:`optimizer.study.hf_config`): trials and traces
@@ -190,11 +190,11 @@ class TransformerModel:
     activations: ActivationSource = ActivationSource.FORMULA
     """Where the ledger's activation bytes come from."""
     traced_activations: tuple[TracedActivation, ...] = ()
-    """Filled by :func:`launchers.study_traces.with_traced_activations` when ``activations`` is ``trace`` or
+    """Filled by :func:`launchers.trace.study_traces.with_traced_activations` when ``activations`` is ``trace`` or
     ``auto``."""
     inventory: ParameterInventory | None = None
     """Every parameter as the model's own code builds it (:mod:`optimizer.study.inventory`), filled by
-    :func:`launchers.inventory.with_inventory` for ``hf_config`` and ``entry_point`` models and for any model with
+    :func:`launchers.trace.inventory.with_inventory` for ``hf_config`` and ``entry_point`` models and for any model with
     ``peft`` or ``frozen``; when set, the ledger's parameter counts (trainable and frozen) come from it instead of
     the shape's layout."""
 
@@ -230,7 +230,7 @@ class TransformerModel:
     def counted_from_code(self) -> bool:
         """Built by code the shape does not describe (a transformers config or an entry point), or adapted (PEFT,
         frozen parameters: which tensors train is read off the built model), and not yet counted: its parameter
-        inventory is to be taken (:func:`launchers.inventory.with_inventory`)."""
+        inventory is to be taken (:func:`launchers.trace.inventory.with_inventory`)."""
         return self.inventory is None and bool(self.hf_config or self.entry_point or self.adapted)
 
     @property

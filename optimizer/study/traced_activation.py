@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from optimizer.study.knobs import Precision, coerce_enums
 
 ZERO3_RUN = "zero3_run"
-"""Set (true) in a model spec (``launchers.trial.model_dict``) to trace the model as a ZeRO-3 run holds it:
-DeepSpeed's linear keeping every Linear's input (``launchers/workloads/zero3_linear.py``), PEFT's adapters in
+"""Set (true) in a model spec (``launchers.trial.run.model_dict``) to trace the model as a ZeRO-3 run holds it:
+DeepSpeed's linear keeping every Linear's input (``launchers/models/zero3_linear.py``), PEFT's adapters in
 their own dtype. Only a model that trains in part differs (a full fine-tune's Linears keep their inputs anyway),
 so only its ZeRO-3 candidates ask."""
 
@@ -36,10 +36,10 @@ class TracedActivation:
     """Set when the trace failed: the op (or error) that stopped it; the ledger then uses the formula."""
     joint_points: tuple[tuple[int, int, int], ...] = ()
     """(micro-batch, activations + temporaries, gradients made so far) at the moment their sum peaked: the
-    phase-aware join of activations and autograd's gradients (:mod:`launchers.trace`); empty when not traced."""
+    phase-aware join of activations and autograd's gradients (:mod:`launchers.trace.tracer`); empty when not traced."""
     split_points: tuple[tuple[int, int, int], ...] = ()
     """(micro-batch, activations' high-water mark before autograd made any gradient, … once one exists): the
-    moments ZeRO-2's gradient bucket and partition are not yet live, and those they are (:mod:`launchers.trace`);
+    moments ZeRO-2's gradient bucket and partition are not yet live, and those they are (:mod:`launchers.trace.tracer`);
     empty when not traced."""
     notes: tuple[str, ...] = ()
     """What the trace assumed or how it was taken (MoE experts, depths extended), stated in the ledger."""
@@ -47,7 +47,7 @@ class TracedActivation:
     """The most parameter elements ZeRO-3 keeps gathered at once, DeepSpeed's coordinator replayed over the
     traced module order (:mod:`optimizer.deepspeed.zero3_gather`); 0 when not traced."""
     zero3_run: bool = False
-    """Traced as a ZeRO-3 run holds the model (``launchers.trace.ZERO3_RUN``: DeepSpeed's linear keeps every
+    """Traced as a ZeRO-3 run holds the model (``launchers.trace.tracer.ZERO3_RUN``: DeepSpeed's linear keeps every
     Linear's input, the adapters stay in their own dtype) — a model that trains in part, for its ZeRO-3
     candidates."""
 

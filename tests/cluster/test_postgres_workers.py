@@ -17,7 +17,7 @@ import optuna
 import pytest
 from cluster_helpers import launches, start_worker, wait_for, write_cluster_study
 
-from launchers.local import marked_processes
+from launchers.trial.local import marked_processes
 from optimizer.search.coordination import active_claims
 from optimizer.search.storage import open_storage
 from optimizer.study.study_file import load_study

@@ -66,7 +66,7 @@ def test_a_two_node_trial_starts_one_torchrun_agent_per_node_with_srun(tmp_path,
     script = tmp_path / "two_nodes.py"
     script.write_text(
         "import json, sys\n"
-        "from launchers.trial import result_json, run_trial\n"
+        "from launchers.trial.run import result_json, run_trial\n"
         "from optimizer.study.specs import baseline_candidate\n"
         "from optimizer.study.study_file import load_study\n"
         "study = load_study(sys.argv[1])\n"

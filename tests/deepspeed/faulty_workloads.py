@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from launchers.workloads.builtin import build_workload
+from launchers.models.builtin import build_workload
 
 FAIL_AT_STEP = 2
 

@@ -5,7 +5,7 @@ enters the construction's context around the call, so at ZeRO stage 3 its module
 
 from __future__ import annotations
 
-from launchers.workloads.builtin import build_workload
+from launchers.models.builtin import build_workload
 
 
 def plain_gpt(spec, sequence_length, seed, checkpointing):

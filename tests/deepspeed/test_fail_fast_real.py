@@ -1,6 +1,6 @@
 """A trial over its per-rank limits stops there, for real on 2 CPU ranks: CPU ranks read their live-tensor peaks
 when the profiler stops at the end of the warm-up, so that is where they stop, together and cleanly, and the
-result keeps what they measured until then (``launchers/workloads/trial_rank.py``)."""
+result keeps what they measured until then (``launchers/rank/trial_rank.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import pytest
 from trial_processes import trial_processes
 
-from launchers.trial import rank_plan, reference_key, run_trial
+from launchers.trial.run import rank_plan, reference_key, run_trial
 from optimizer.results.trial_result import Outcome, StopAbove
 from optimizer.study.specs import baseline_candidate
 

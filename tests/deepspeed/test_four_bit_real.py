@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launchers.inventory import with_inventory
-from launchers.study_traces import with_traced_activations
-from launchers.trial import run_trial
+from launchers.trace.inventory import with_inventory
+from launchers.trace.study_traces import with_traced_activations
+from launchers.trial.run import run_trial
 from optimizer.ledger.core import compute_ledger
 from optimizer.results.trial_result import Outcome
 from optimizer.study.knobs import with_knobs

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launchers.trial import run_trial
-from launchers.workloads.construction import INIT_CHUNK_ELEMENTS
+from launchers.models.construction import INIT_CHUNK_ELEMENTS
+from launchers.trial.run import run_trial
 from optimizer.ledger.core import compute_ledger
 from optimizer.ledger.model_states import construction_bytes
 from optimizer.ledger.transformer import parameter_count
@@ -141,7 +141,7 @@ def test_a_tied_transformers_model_holds_its_head_until_tied(folder):
     # 4·V·h over a ledger without the item). The inventory's tied group prices it.
     import json
 
-    from launchers.inventory import with_inventory
+    from launchers.trace.inventory import with_inventory
     from optimizer.ledger.transformer import tied_copy_elements
 
     config = json.loads((ROOT / "studies" / "llama-tiny-cpu.config.json").read_text()) | {"tie_word_embeddings": True}

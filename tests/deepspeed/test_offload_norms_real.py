@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from two_ranks import TINY_MODEL, TWO_CPU_RANKS, run_two_ranks
 
-from launchers.trial import model_dict
+from launchers.trial.run import model_dict
 from optimizer.deepspeed.config import build_ds_config
 from optimizer.ledger.core import compute_ledger
 from optimizer.ledger.items import Location, Phase

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launchers.study_traces import with_traced_activations
-from launchers.trial import run_trial
+from launchers.trace.study_traces import with_traced_activations
+from launchers.trial.run import run_trial
 from optimizer.ledger.core import compute_ledger
 from optimizer.results.trial_result import Outcome
 from optimizer.study.knobs import with_knobs

@@ -15,8 +15,8 @@ import pytest
 import yaml
 from trial_processes import trial_processes
 
-from launchers.study_run import default_storage, run_study
-from launchers.trial import run_trial
+from launchers.study.study_run import default_storage, run_study
+from launchers.trial.run import run_trial
 from optimizer.cli import main
 from optimizer.results.pareto import feasible_front
 from optimizer.results.trial_result import Outcome

@@ -14,10 +14,10 @@ from trial_processes import trial_processes
 
 
 def _fake_rank(trial_dir: Path) -> subprocess.Popen:
-    # python -c CODE ARGS...: ARGS stay on the command line as a rank's ``-m launchers.workloads.trial_rank PLAN
+    # python -c CODE ARGS...: ARGS stay on the command line as a rank's ``-m launchers.rank.trial_rank PLAN
     # OUT`` do
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "-m",
-                             "launchers.workloads.trial_rank", str(trial_dir / "plan.json"), str(trial_dir)])
+                             "launchers.rank.trial_rank", str(trial_dir / "plan.json"), str(trial_dir)])
 
 
 def _started(proc: subprocess.Popen, folder: Path) -> None:

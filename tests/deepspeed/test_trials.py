@@ -1,6 +1,6 @@
 """Real short DeepSpeed trials on 2 CPU ranks: the four measurements, and every failure classified.
 
-Each test runs ``launchers.trial.run_trial`` (``torch.distributed.run`` + ``DS_ACCELERATOR=cpu``) on a copy
+Each test runs ``launchers.trial.run.run_trial`` (``torch.distributed.run`` + ``DS_ACCELERATOR=cpu``) on a copy
 of ``studies/cpu-tiny.yaml`` in a temporary folder, so outputs stay out of the repository.
 """
 
@@ -17,9 +17,9 @@ import pytest
 import yaml
 from trial_processes import trial_processes
 
-from launchers.local import LAUNCH_ID_VAR
-from launchers.trial import reference_losses, run_trial
-from launchers.workloads.builtin import build_model
+from launchers.models.builtin import build_model
+from launchers.trial.local import LAUNCH_ID_VAR
+from launchers.trial.run import reference_losses, run_trial
 from optimizer.results.trial_result import Outcome
 from optimizer.study.knobs import with_knobs
 from optimizer.study.specs import baseline_candidate

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from two_ranks import run_two_ranks
 
-from launchers.trace import trace
-from launchers.trial import model_dict
+from launchers.trace.tracer import trace
+from launchers.trial.run import model_dict
 from optimizer.deepspeed.config import build_ds_config
 from optimizer.study.knobs import Candidate, NoCheckpointing, OffloadDevice, Precision, ZeroStage
 from optimizer.study.specs import Accelerator, HardwareSpec, TrainingSpec, TransformerModel

@@ -1,7 +1,7 @@
 """The rank processes of a test's own trials, for leak checks that other dsopt runs on the machine cannot fail.
 
-Every process of a trial launch runs ``launchers.workloads.trial_rank PLAN OUT`` (launchers/local.py: the torchrun agent
-carries the arguments it hands on, each rank runs ``python -m launchers.workloads.trial_rank PLAN OUT``), and PLAN
+Every process of a trial launch runs ``launchers.rank.trial_rank PLAN OUT`` (launchers/trial/local.py: the torchrun
+agent carries the arguments it hands on, each rank runs ``python -m launchers.rank.trial_rank PLAN OUT``), and PLAN
 and OUT
 lie in the trial's folder, under the folder of the study the test wrote. A rank orphaned by a dead agent keeps
 its command line, so it is still found; a process of another study — another test, a benchmark — is not.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-RANK_MODULE = "launchers.workloads.trial_rank"
+RANK_MODULE = "launchers.rank.trial_rank"
 
 
 def _under(arg: str, roots: set[str]) -> bool:
@@ -20,7 +20,7 @@ def _under(arg: str, roots: set[str]) -> bool:
 
 
 def trial_processes(folder: Path) -> list[int]:
-    """PIDs of live processes running ``launchers.workloads.trial_rank`` on a plan or output path under ``folder``."""
+    """PIDs of live processes running ``launchers.rank.trial_rank`` on a plan or output path under ``folder``."""
     roots = {str(folder), str(Path(folder).resolve())}
     found = []
     for entry in Path("/proc").iterdir():

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launchers.local import clear_stale_build_locks, extensions_dir
+from launchers.trial.local import clear_stale_build_locks, extensions_dir
 from optimizer.study.knobs import Precision
 from optimizer.study.specs import Accelerator, HardwareSpec, TransformerModel
 

@@ -1,7 +1,7 @@
 """Rank program for test_zero3_gather_real.py: what real ZeRO-3 holds gathered when forward ends.
 
 Run under ``torchrun --nproc_per_node 2`` with ``DS_ACCELERATOR=cpu``. Arguments: a JSON file of cases
-({name, model (launchers.trial.model_dict), config (DeepSpeed JSON), seq}) and an output folder. Each case
+({name, model (launchers.trial.run.model_dict), config (DeepSpeed JSON), seq}) and an output folder. Each case
 builds the model as trials do, trains three steps and, after the forward of each step, counts the parameters
 DeepSpeed holds gathered or in flight (``ds_status`` AVAILABLE or INFLIGHT, persistent ones left out). Writes
 ``<out>/<case>.rank<r>.json``: the counts per step.
@@ -20,7 +20,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from launchers.workloads.builtin import build_workload
+from launchers.models.builtin import build_workload
 
 HELD = (ZeroParamStatus.AVAILABLE, ZeroParamStatus.INFLIGHT)
 

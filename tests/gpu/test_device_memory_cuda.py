@@ -1,5 +1,5 @@
 """The device as the driver sees it, on a real CUDA device (marked ``gpu``; skipped without one): the reader of
-launchers/workloads/device_memory.py in a fresh process (no CUDA context yet), and one real trial's rank reports —
+launchers/rank/device_memory.py in a fresh process (no CUDA context yet), and one real trial's rank reports —
 what tests/test_device_memory.py checks with fakes only. Not yet run on a GPU (docs/trials.md)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launchers.trial import run_trial
+from launchers.trial.run import run_trial
 from optimizer.results.device_budget import measured_device_reserve
 from optimizer.results.trial_result import Outcome
 from optimizer.study.specs import baseline_candidate
@@ -25,7 +25,7 @@ GiB = 2**30
 
 PROBE = """
 import json, torch
-from launchers.workloads.device_memory import DeviceMemory
+from launchers.rank.device_memory import DeviceMemory
 memory = DeviceMemory.open(cuda=True, index=0)
 torch.cuda.set_device(0)
 block = torch.empty(GIB, dtype=torch.uint8, device="cuda")

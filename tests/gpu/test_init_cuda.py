@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from launchers.trial import run_trial
-from launchers.workloads.construction import INIT_CHUNK_ELEMENTS
+from launchers.models.construction import INIT_CHUNK_ELEMENTS
+from launchers.trial.run import run_trial
 from optimizer.ledger.core import compute_ledger
 from optimizer.ledger.transformer import parameter_count
 from optimizer.results.trial_result import Outcome
@@ -63,7 +63,7 @@ def test_cuda_init_peak_against_the_ledger(tmp_path, knobs):
     if knobs["zero_stage"] == 3 and study.hardware.world_size > 1:  # a partition, never the whole bf16 model
         assert parameter_count(study.model) == PSI
         # Built under zero.Init in bf16 (2 bytes), the peak is at the seeded draw of the embedding or the head
-        # (launchers/workloads/construction.py seeded_init_): every partition 2Q, that module gathered whole 2LL
+        # (launchers/models/construction.py seeded_init_): every partition 2Q, that module gathered whole 2LL
         # (DeepSpeed 0.19.8 _allgather_params_sequential: one flat tensor that NCCL's all_gather_into_tensor fills;
         # re-partitioning copies into the existing partition) and one FP32 draw chunk, 4·2^18 = 1 MiB. Every size
         # is a multiple of 512 bytes, so the caching allocator's rounding adds nothing:
