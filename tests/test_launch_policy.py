@@ -25,7 +25,7 @@ import optuna
 import pytest
 
 from launchers.study.progress import ProgressMode
-from launchers.study.study_run import run_study, setup_study, worker_launches
+from launchers.study.study_run import run_study
 from optimizer.ledger.core import evaluate
 from optimizer.results.pareto import pick_trial
 from optimizer.results.trial_result import Outcome, RankMeasurement, TrialResult
@@ -34,6 +34,7 @@ from optimizer.search.launch_policy import SAFE_FIT_PROBABILITY, Standing, asses
 from optimizer.search.objective import open_study
 from optimizer.search.ordering import study_models
 from optimizer.search.space import branches, distribution_params
+from optimizer.search.study_loop import setup_study, worker_launches
 from optimizer.study.cluster_settings import BudgetSettings
 from optimizer.study.errors import UserError
 from optimizer.study.knobs import Precision, ZeroStage, parse_checkpointing
@@ -211,8 +212,8 @@ def test_a_retry_is_a_launch_and_n_trials_counts_it(tiny, monkeypatch):
 def test_the_reference_launch_is_recorded_and_counted_by_the_budget(tiny):
     spec = _spec(tiny)
     study = open_study(spec=spec, storage=f"sqlite:///{spec.path.parent}/study.db")
-    setup_study(study=study, spec=spec, space=branches(spec), worker="w", reference=lambda: [5.0],
-                reference_launches=lambda: 1)
+    setup_study(study=study, spec=spec, space=branches(spec), worker="w", key="k", reference=lambda: [5.0],
+                say=lambda _: None, reference_launches=lambda: 1)
     reference = study.user_attrs["dsopt_reference_launches"]
     assert reference == 1 and study.user_attrs["reference_losses"] == [5.0]
     trials = study.get_trials()  # the seeds, waiting: no launch yet

@@ -1,31 +1,21 @@
-"""Run a study — one process (``dsopt study run``) or one of many workers (``dsopt worker``).
+"""Run a study — one process (``dsopt study run``) or one of many workers (``dsopt worker``): the process side.
 
-The glue between :mod:`optimizer.search.objective` (pure Optuna logic), :mod:`optimizer.search.coordination`
-(shared-storage
-rules) and :mod:`launchers.trial.run` (the launches). A worker:
-
-1. opens the storage and creates or joins the study;
-2. sets it up once per study file (setup lease): enqueues the ledger's most promising candidates and runs
-   the FP32 reference; the other workers wait for it;
-3. runs one trial at a time until its own ``--n-trials`` (real launches, retries and the reference included:
-   a pruned, held or reused proposal launches nothing and spends nothing) or ``--timeout``, the study's global
-   budget, or the search space is exhausted (every candidate that may fit has a final result). When the only
-   candidates left are being launched by other workers it waits instead of sampling. With a heartbeat storage
-   it fails the trials of dead workers first (Optuna's ``fail_stale_trials``), which puts them back in the queue.
-   A stop by a limit lists the candidates left untried, with their predicted speed and probability to fit.
-
-Progress is one line per finished trial on stderr (:mod:`launchers.study.progress`).
+The loop itself — lease → reference → propose → prune → launch → record → stop — is
+:mod:`optimizer.search.study_loop`, beside the decisions it sequences. This module gives it what only a process
+can: the storage opened (SQLite refused for workers), the study's traces, DeepSpeed's ops built once per node
+before any launch (:mod:`launchers.study.op_prep`), the FP32 reference and every trial as real launches on this
+node (:func:`launchers.trial.run.run_trial`, with the ranks' stop-above limits and the predicted step time for
+the hang timeout), the measured device reserve and capacity recorded after each launch, the warnings a launch
+makes true (the device is not the study's profile, the script trains another model), the progress lines
+(:mod:`launchers.study.progress`) and each trial's files in the artifact store.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import threading
-import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import optuna
 
@@ -38,18 +28,7 @@ from optimizer.ledger.items import Location
 from optimizer.ledger.transformer import parameter_count, trainable_count
 from optimizer.results.device_budget import capacity_note
 from optimizer.results.trial_result import StopAbove, TrialResult
-from optimizer.search.coordination import (
-    CREATED_ATTR,
-    LAUNCHES_ATTR,
-    LEASE_REFRESH_S,
-    REFERENCE_LAUNCHES_ATTR,
-    WORKER_ATTR,
-    SetupLease,
-    active_claims,
-    budget_spent,
-    now_utc,
-    worker_id,
-)
+from optimizer.search.coordination import CREATED_ATTR, worker_id
 from optimizer.search.device_attrs import (
     measured_capacity,
     record_measured_capacity,
@@ -57,26 +36,15 @@ from optimizer.search.device_attrs import (
     record_result_json,
     study_planning_spec,
 )
-from optimizer.search.next_launch import Option, final_keys, options
-from optimizer.search.objective import POLICY_MARK, LaunchGate, TrialFailed, make_objective, open_study, seed_study
-from optimizer.search.ordering import (
-    CALIBRATION_ATTR,
-    EXPLORE_EVERY,
-    StudyModels,
-    predicted_speed,
-    study_models,
-)
-from optimizer.search.space import Branches, branches, distribution_params, in_space
+from optimizer.search.objective import LaunchGate, open_study
+from optimizer.search.ordering import predicted_speed, study_models
+from optimizer.search.space import branches, in_space
 from optimizer.search.storage import StorageKind, check_shared_storage, storage_kind
-from optimizer.search.untried import untried_text
+from optimizer.search.study_loop import LoopState, run_loop, setup_study
 from optimizer.study.hardware_profiles import profile_mismatch
 from optimizer.study.knobs import Candidate
 from optimizer.study.specs import TransformerModel, baseline_candidate
 from optimizer.study.study_file import StudySpec
-
-TrialState = optuna.trial.TrialState
-WAIT_S = 2.0
-"""Poll interval while waiting for another worker (setup, or the last candidates in flight)."""
 
 
 def default_storage(spec: StudySpec) -> str:
@@ -88,66 +56,12 @@ def _say(worker: str, text: str) -> None:
     print(f"[{worker}] {text}", file=sys.stderr, flush=True)
 
 
-def setup_study(*, study: optuna.Study, spec: StudySpec, space: Branches, worker: str,
-                reference: Callable[[], list[float]], wait_s: float = WAIT_S,
-                reference_launches: Callable[[], int] = lambda: 0) -> list[float]:
-    """Seed the study and obtain the FP32 reference losses exactly once per study file (setup lease);
-    returns the reference losses. Other workers wait for the holder; a dead holder's lease is taken over.
-    ``reference_launches`` says, before the reference is obtained, how many launches it will take (1 unless
-    it is cached): the study records it, and ``budget.max_launches`` counts it."""
-    lease = SetupLease(study, key=reference_key(spec), worker=worker)
-    announced = False
-    while not lease.ready():
-        if lease.acquire():
-            stop = threading.Event()
-            refresher = threading.Thread(target=_refresh, args=(lease, stop), daemon=True)
-            refresher.start()
-            try:
-                if CREATED_ATTR not in study.user_attrs:
-                    study.set_user_attr(CREATED_ATTR, now_utc().isoformat())
-                enqueued = seed_study(study, spec, space)
-                _say(worker, f"setting up the study: {enqueued} candidate(s) enqueued, FP32 reference run")
-                launches = reference_launches()
-                study.set_user_attr("reference_losses", reference())
-                study.set_user_attr(REFERENCE_LAUNCHES_ATTR, launches)
-                study.set_user_attr("reference_key", lease.key)
-                lease.finish()
-            finally:
-                stop.set()
-                refresher.join()
-            break
-        if not announced:
-            _say(worker, f"waiting for {lease.holder()} to set the study up")
-            announced = True
-        time.sleep(wait_s)
-    return list(study.user_attrs["reference_losses"])
-
-
 def _fail_stale(study: optuna.Study) -> None:
     """Optuna's ``fail_stale_trials`` (experimental since 2.9; stable in practice): fail the trials of dead
     workers and run the retry callback."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
-
-
-def _refresh(lease: SetupLease, stop: threading.Event) -> None:
-    while not stop.wait(LEASE_REFRESH_S):
-        lease.refresh()
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StopReason:
-    """Why a worker stopped."""
-
-    text: str
-    """One line for the user."""
-    untried: tuple[Option, ...] = ()
-    """Candidates that may fit and were never tried, in launch order (a stop by a limit)."""
-
-
-WAIT = StopReason(text="every remaining candidate is being run by another worker; waiting")
-"""Not a stop: wait for the other workers' trials."""
 
 
 def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s: float | None,
@@ -176,7 +90,8 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     spec = with_traced_activations(spec)  # once the storage is known to be reachable; cached by content
     if runner is None:  # DeepSpeed's ops, once per node before any launch; drops what this node cannot build
         spec = prepare_ops(spec=spec, gpus=gpus, worker=worker)
-    losses = setup_study(study=study, spec=spec, space=space, worker=worker,
+    losses = setup_study(study=study, spec=spec, space=space, worker=worker, key=reference_key(spec),
+                         say=lambda text: _say(worker, text),
                          reference=reference or (lambda: reference_losses(spec, gpus=gpus)),
                          reference_launches=(lambda: 0) if reference is not None
                          else (lambda: 0 if cached_reference_losses(spec) is not None else 1))
@@ -195,7 +110,7 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
         report.started(candidate)
         if runner is not None:
             return runner(candidate, losses)
-        step = predicted_speed(candidate, spec=spec, models=current[0])  # calibrated once trials are measured
+        step = predicted_speed(candidate, spec=spec, models=state.models)  # calibrated once trials are measured
         result = run_trial(study=spec, candidate=candidate, reference_losses=losses,
                            step_s=None if isinstance(step, str) else step.total_s, gpus=gpus,
                            stop_above=stop_above(spec, candidate, ledger=ledgers.get(candidate.label())))
@@ -214,11 +129,13 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
                             for c in spec.search_space.candidates(base))
                 if v.ledger is not None and in_space(v.candidate, space)]
     ledgers = {v.candidate.label(): v.ledger for v in verdicts}  # evaluated once: launch() reads them
-    current = [study_models(spec=spec, trials=[], base=base)]
+    state = LoopState(models=study_models(spec=spec, trials=[], base=base))
     report = Progress(progress, base=base, target=n_trials, worker=worker)
     try:
-        _loop(study, spec=spec, space=space, gate=gate, base=base, verdicts=verdicts, current=current,
-              report=report, launch=launch, fail_stale=fail_stale, n_trials=n_trials, timeout_s=timeout_s)
+        run_loop(study, spec=spec, space=space, gate=gate, verdicts=verdicts, state=state, report=report,
+                 runner=launch, n_trials=n_trials, timeout_s=timeout_s,
+                 artifact_dir=lambda candidate: str(trial_dir_for(spec, candidate)),
+                 after_launch=uploader(default_store_dir(spec.output_dir), warn=report.say))
     finally:
         report.close()
     return study
@@ -277,94 +194,3 @@ def stop_above(spec: StudySpec, candidate: Candidate, *, ledger: Ledger | None =
     budget = ledger.gpu_capacity_bytes - spec.hardware.device_reserve_bytes
     init_host = (ledger.init_bytes - ledger.init_bytes_at(Location.GPU)) if ledger.device_is_host else 0
     return StopAbove(training_bytes=budget + ledger.training_host_share_bytes, init_bytes=budget + init_host)
-
-
-def worker_launches(trials: Sequence[optuna.trial.FrozenTrial], *, worker: str) -> int:
-    """Real launches of this worker's trials (retries included)."""
-    return sum(int(t.user_attrs.get(LAUNCHES_ATTR, 1)) for t in active_claims(trials)
-               if t.user_attrs.get(WORKER_ATTR) == worker)
-
-
-def _loop(study: optuna.Study, *, spec: StudySpec, space: Branches, gate: LaunchGate, base: Candidate,
-          verdicts: list, current: list[StudyModels], report: Progress, launch: Callable[[Candidate], TrialResult],
-          fail_stale: Callable[[optuna.Study], None] | None, n_trials: int | None, timeout_s: float | None) -> None:
-    """Run trials until a stop reason (module doc)."""
-    objective = make_objective(spec=spec, space=space, runner=launch, gate=gate, models=lambda: current[0],
-                               artifact_dir=lambda candidate: str(trial_dir_for(spec, candidate)),
-                               after_launch=uploader(default_store_dir(spec.output_dir), warn=report.say))
-    start = time.monotonic()
-    proposals = 0
-    own_reference = int(study.user_attrs.get(REFERENCE_LAUNCHES_ATTR, 0)) \
-        if study.user_attrs.get("dsopt_setup", {}).get("worker") == gate.worker else 0
-    announced_wait = False
-    while True:
-        if fail_stale is not None:
-            fail_stale(study)
-        trials = study.get_trials(deepcopy=False)
-        current[0] = _refresh_models(study, spec=spec, trials=trials, base=base)
-        ranked = options(spec=spec, space=space, trials=trials, models=current[0], verdicts=verdicts)
-        launched = worker_launches(trials, worker=gate.worker) + own_reference
-        report.launched(launched)
-        stop = _stop_reason(trials=trials, spec=spec, gate=gate, ranked=ranked, launched=launched,
-                            n_trials=n_trials, elapsed_s=time.monotonic() - start, timeout_s=timeout_s,
-                            reference_launches=int(study.user_attrs.get(REFERENCE_LAUNCHES_ATTR, 0)))
-        if stop is WAIT:
-            if not announced_wait:
-                report.say(WAIT.text)
-                announced_wait = True
-            time.sleep(WAIT_S)
-            continue
-        if stop is not None:
-            report.say(f"stopping: {stop.text}")
-            if stop.untried:  # queued ones too: they were never tried either
-                report.say(untried_text(options(spec=spec, space=space, trials=trials, models=current[0],
-                                                verdicts=verdicts, include_queued=True)))
-            break
-        announced_wait = False
-        if proposals % EXPLORE_EVERY != EXPLORE_EVERY - 1:  # every third proposal is the sampler's own choice
-            _guide(study, space=space, trials=trials, ranked=ranked, models=current[0])
-        study.optimize(objective, n_trials=1, catch=(TrialFailed,), callbacks=[report.finished])
-        proposals += 1
-
-
-def _refresh_models(study: optuna.Study, *, spec: StudySpec, trials: list[optuna.trial.FrozenTrial],
-                    base: Candidate) -> StudyModels:
-    """Refit the study's corrections from its measured trials and store them in the study when they change."""
-    models = study_models(spec=spec, trials=trials, base=base)
-    attr = models.to_attr()
-    if study.user_attrs.get(CALIBRATION_ATTR) != attr:
-        study.set_user_attr(CALIBRATION_ATTR, attr)
-    return models
-
-
-def _guide(study: optuna.Study, *, space: Branches, trials: list[optuna.trial.FrozenTrial], ranked: list[Option],
-           models: StudyModels) -> None:
-    """Enqueue the launch policy's choice (:func:`optimizer.search.next_launch.options`' first) unless a trial is
-    already queued."""
-    if any(t.state is TrialState.WAITING for t in trials) or not ranked:
-        return
-    study.enqueue_trial(distribution_params(ranked[0].candidate, space),
-                        user_attrs={"enqueued_by": f"{POLICY_MARK} ({models.rates.source})"})
-
-
-def _stop_reason(*, trials: list[optuna.trial.FrozenTrial], spec: StudySpec, gate: LaunchGate, ranked: list[Option],
-                 launched: int, n_trials: int | None, elapsed_s: float, timeout_s: float | None,
-                 reference_launches: int = 0) -> StopReason | None:
-    """Why to stop, :data:`WAIT` (only candidates in flight elsewhere are left), or None (run a trial). A stop
-    by a limit carries the candidates left untried (``ranked``: in launch order)."""
-    if n_trials is not None and launched >= n_trials:
-        return StopReason(text=f"this worker made its {n_trials} launch(es) (retries and the FP32 reference "
-                               "included)", untried=tuple(ranked))
-    if timeout_s is not None and elapsed_s >= timeout_s:
-        return StopReason(text=f"this worker's --timeout of {timeout_s:g} s has passed", untried=tuple(ranked))
-    spent = budget_spent(trials=trials, budget=spec.budget, created_at=gate.created_at, now=now_utc(),
-                         reference_launches=reference_launches)
-    if spent:
-        return StopReason(text=f"the study's budget is spent: {spent}", untried=tuple(ranked))
-    if not ranked:
-        in_flight = {t.user_attrs.get("label") for t in trials if t.state is TrialState.RUNNING} - final_keys(trials)
-        if in_flight or any(t.state is TrialState.WAITING for t in trials):
-            return WAIT if not any(t.state is TrialState.WAITING for t in trials) else None
-        return StopReason(text=f"the search space is exhausted: every candidate that may fit has a result "
-                               f"({len(final_keys(trials))} candidate(s))")
-    return None
