@@ -27,8 +27,7 @@ from optimizer.search.device_attrs import (
     RESERVE_ATTR,
     measured_capacity,
     measured_reserve,
-    record_measured_capacity,
-    record_measured_reserve,
+    record_device,
     record_result_json,
     study_planning_spec,
 )
@@ -188,16 +187,14 @@ def test_the_study_keeps_the_first_reserve_and_the_smallest_capacity(tmp_path):
     spec = _study(tmp_path)
     assert measured_reserve(study) is None and measured_capacity(study) is None
     cpu = _summarize({0: rank_report(0)})
-    assert record_measured_reserve(study, cpu) is None and record_measured_capacity(study, cpu) is None
+    assert record_device(study, cpu) == (None, None)
     assert RESERVE_ATTR not in study.user_attrs and CAPACITY_ATTR not in study.user_attrs
     assert study_planning_spec(spec, study) is spec  # nothing measured: the published default, the study's memory
-    assert record_measured_reserve(study, _cuda_result()) == 700 * MiB
+    assert record_device(study, _cuda_result()) == (700 * MiB, H100_TOTAL)
     later = _summarize({0: _cuda_rank(0, non_torch_init=900 * MiB, non_torch_peak=950 * MiB,
                                       total=H100_TOTAL - 1)})
-    assert record_measured_reserve(study, later) == 700 * MiB  # the first stays: the plan does not move
-    assert record_measured_capacity(study, _cuda_result()) == H100_TOTAL
-    assert record_measured_capacity(study, later) == H100_TOTAL - 1  # the smallest
-    assert record_measured_capacity(study, _cuda_result()) == H100_TOTAL - 1
+    assert record_device(study, later) == (700 * MiB, H100_TOTAL - 1)  # the first reserve stays; the smallest
+    assert record_device(study, _cuda_result()) == (700 * MiB, H100_TOTAL - 1)
     assert study.user_attrs == {RESERVE_ATTR: 700 * MiB, CAPACITY_ATTR: H100_TOTAL - 1}
     planned = study_planning_spec(spec, study)
     assert planned.hardware.device_reserve_bytes == 700 * MiB
@@ -211,3 +208,14 @@ def test_the_references_result_file_sets_both_before_any_search_trial():
     cpu = optuna.create_study(directions=["minimize", "maximize"])
     record_result_json(cpu, json.loads(json.dumps(result_json(_summarize({0: rank_report(0)})))))
     assert cpu.user_attrs == {}
+
+
+def test_a_launch_reads_the_study_attributes_once(monkeypatch):
+    study = optuna.create_study(directions=["minimize", "maximize"])
+    reads = []
+    original = optuna.Study.user_attrs
+    monkeypatch.setattr(optuna.Study, "user_attrs", property(lambda self: reads.append(1) or original.fget(self)))
+    record_device(study, _summarize({0: rank_report(0)}))  # CPU ranks: nothing to keep
+    assert len(reads) == 1
+    assert record_device(study, _cuda_result()) == (700 * MiB, H100_TOTAL)  # both kept, one read
+    assert len(reads) == 2

@@ -193,13 +193,14 @@ def narrowed(spec: StudySpec, missing: Mapping[str, str]) -> StudySpec:
 
 
 def prepare_ops(*, spec: StudySpec, gpus: Sequence[str] | None, worker: str,
-                say: Callable[[str], None] | None = None) -> StudySpec:
+                say: Callable[[str], None] | None = None,
+                candidates: Sequence[Candidate] | None = None) -> StudySpec:
     """Build or load the ops ``spec``'s candidates need on this node (module doc); returns ``spec`` without the
     candidates an op missing here rules out. UserError (exit 2) when that leaves no candidate, or rules out the
-    FP32 reference before it is cached."""
+    FP32 reference before it is cached. ``candidates``: :func:`study_candidates` where the caller has them."""
     say = say or (lambda text: print(f"[{worker}] {text}", file=sys.stderr, flush=True))
     accelerator = spec.hardware.accelerator
-    candidates = study_candidates(spec)
+    candidates = study_candidates(spec) if candidates is None else list(candidates)
     reference = reference_candidate(spec)
     ops = ops_needed([*candidates, reference], accelerator=accelerator)
     if not ops:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import optuna
 
 from launchers.study.artifacts import default_store_dir, uploader
-from launchers.study.op_prep import prepare_ops
+from launchers.study.op_prep import prepare_ops, study_candidates
 from launchers.study.progress import Progress, ProgressMode
 from launchers.trial.run import cached_reference_losses, reference_key, reference_losses, run_trial, trial_dir_for
 from optimizer.ledger.core import Ledger, evaluate
@@ -31,14 +31,13 @@ from optimizer.results.trial_result import StopAbove, TrialResult
 from optimizer.search.coordination import CREATED_ATTR, worker_id
 from optimizer.search.device_attrs import (
     measured_capacity,
-    record_measured_capacity,
-    record_measured_reserve,
+    record_device,
     record_result_json,
     study_planning_spec,
 )
 from optimizer.search.objective import LaunchGate, open_study
 from optimizer.search.ordering import predicted_speed, study_models
-from optimizer.search.space import branches, in_space
+from optimizer.search.space import branches
 from optimizer.search.storage import StorageKind, check_shared_storage, storage_kind
 from optimizer.search.study_loop import LoopState, run_loop, setup_study
 from optimizer.study.hardware_profiles import profile_mismatch
@@ -88,8 +87,9 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials are data: our progress line reports them
     study = open_study(spec=spec, storage=storage, sampler=sampler)
     spec = with_traced_activations(spec)  # once the storage is known to be reachable; cached by content
+    valid = study_candidates(spec)  # judged once: the ops' needs and the ledgers below are of these
     if runner is None:  # DeepSpeed's ops, once per node before any launch; drops what this node cannot build
-        spec = prepare_ops(spec=spec, gpus=gpus, worker=worker)
+        spec = prepare_ops(spec=spec, gpus=gpus, worker=worker, candidates=valid)
     losses = setup_study(study=study, spec=spec, space=space, worker=worker, key=reference_key(spec),
                          say=lambda text: _say(worker, text),
                          reference=reference or (lambda: reference_losses(spec, gpus=gpus)),
@@ -101,7 +101,7 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     stated = spec
     spec = study_planning_spec(stated, study)  # the measured device reserve and capacity (results/device_budget.py)
     capacity_said: list[str] = []
-    say_capacity(stated, study, said=capacity_said, worker=worker)
+    say_capacity(stated, measured_capacity(study), said=capacity_said, worker=worker)
 
     mismatch_said: list[str] = []  # a device unlike hardware.profile: said once
     script_said: list[str] = []  # a script's model unlike the model section: said once
@@ -116,18 +116,17 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
                            stop_above=stop_above(spec, candidate, ledger=ledgers.get(candidate.label())))
         say_profile_mismatch(spec, result, said=mismatch_said, worker=worker)
         say_script_model(spec, result, said=script_said, worker=worker)
-        record_measured_reserve(study, result)
-        record_measured_capacity(study, result)
-        say_capacity(stated, study, said=capacity_said, worker=worker)
+        _, capacity = record_device(study, result)
+        say_capacity(stated, capacity, said=capacity_said, worker=worker)
         return result
 
     fail_stale = _fail_stale if storage_kind(storage) is StorageKind.POSTGRESQL else None
     gate = LaunchGate(budget=spec.budget, worker=worker, created_at=study.user_attrs.get(CREATED_ATTR),
                       fail_stale=fail_stale)
     base = baseline_candidate(spec.training)
+    kept = set(spec.search_space.candidates(base))  # less what an op missing on this node rules out
     verdicts = [v for v in (evaluate(candidate=c, model=spec.model, hardware=spec.hardware, training=spec.training)
-                            for c in spec.search_space.candidates(base))
-                if v.ledger is not None and in_space(v.candidate, space)]
+                            for c in valid if c in kept) if v.ledger is not None]
     ledgers = {v.candidate.label(): v.ledger for v in verdicts}  # evaluated once: launch() reads them
     state = LoopState(models=study_models(spec=spec, trials=[], base=base))
     report = Progress(progress, base=base, target=n_trials, worker=worker)
@@ -174,9 +173,10 @@ def say_script_model(spec: StudySpec, result: TrialResult, *, said: list[str], w
         _say(worker, f"warning: {why}")
 
 
-def say_capacity(stated: StudySpec, study: optuna.Study, *, said: list[str], worker: str) -> None:
-    """Once per worker: the study's gpu_memory is more than the device has (it plans with the device's)."""
-    note = None if said else capacity_note(stated.hardware, measured_total_bytes=measured_capacity(study))
+def say_capacity(stated: StudySpec, capacity: int | None, *, said: list[str], worker: str) -> None:
+    """Once per worker: the study's gpu_memory is more than the device has (``capacity``, measured; it plans with
+    the device's)."""
+    note = None if said else capacity_note(stated.hardware, measured_total_bytes=capacity)
     if note is not None:
         said.append(note)
         _say(worker, f"warning: {note}")

@@ -34,33 +34,10 @@ def measured_reserve(study: optuna.Study) -> int | None:
     return None if value is None else int(value)
 
 
-def record_measured_reserve(study: optuna.Study, result: TrialResult) -> int | None:
-    """Keep the reserve ``result`` measured on the study unless one is kept already; the reserve kept after the call
-    (None: none measured yet)."""
-    kept = measured_reserve(study)
-    if kept is not None:
-        return kept
-    figure = measured_device_reserve(result)
-    if figure is not None:
-        study.set_user_attr(RESERVE_ATTR, figure)
-    return figure
-
-
 def measured_capacity(study: optuna.Study) -> int | None:
     """The device capacity kept on the study (bytes), or None: no trial has reported its device."""
     value = study.user_attrs.get(CAPACITY_ATTR)
     return None if value is None else int(value)
-
-
-def record_measured_capacity(study: optuna.Study, result: TrialResult) -> int | None:
-    """Keep ``result``'s ``device_total_bytes`` on the study where it is the smallest yet; the capacity kept after the
-    call (None: no trial has reported its device — CPU ranks never do)."""
-    kept = measured_capacity(study)
-    total = result.device_total_bytes
-    if total is not None and (kept is None or total < kept):
-        study.set_user_attr(CAPACITY_ATTR, int(total))
-        return int(total)
-    return kept
 
 
 def record_result_json(study: optuna.Study, data: Mapping[str, Any]) -> None:
@@ -73,8 +50,25 @@ def record_result_json(study: optuna.Study, data: Mapping[str, Any]) -> None:
                   for rank in data.get("ranks", ()))
     result = TrialResult(outcome=Outcome(data["outcome"]), ranks=ranks,
                          device_total_bytes=data.get("device_total_bytes"))
-    record_measured_reserve(study, result)
-    record_measured_capacity(study, result)
+    record_device(study, result)
+
+
+def record_device(study: optuna.Study, result: TrialResult) -> tuple[int | None, int | None]:
+    """Keep what ``result`` measured of the device on the study, its attributes read once (one storage read per
+    launch): the reserve unless one is kept already (the first stays, so the plan does not move), the capacity
+    (``device_total_bytes``) where it is the smallest yet. Returns the (reserve, capacity) kept after the call;
+    None where nothing is measured yet (CPU ranks never report a device)."""
+    attrs = study.user_attrs
+    reserve, capacity = attrs.get(RESERVE_ATTR), attrs.get(CAPACITY_ATTR)
+    if reserve is None:
+        reserve = measured_device_reserve(result)
+        if reserve is not None:
+            study.set_user_attr(RESERVE_ATTR, reserve)
+    total = result.device_total_bytes
+    if total is not None and (capacity is None or total < capacity):
+        capacity = int(total)
+        study.set_user_attr(CAPACITY_ATTR, capacity)
+    return (None if reserve is None else int(reserve), None if capacity is None else int(capacity))
 
 
 def study_planning_spec(spec: StudySpec, study: optuna.Study) -> StudySpec:
