@@ -12,7 +12,7 @@ For each candidate it stores the measured per-rank peak (CPU ranks: the live-ten
 host memory includes the optimizer states DeepSpeed offloads to the host), the ledger's device and host
 shares of the prediction, throughput, step time and loss fidelity. The replay (search_efficiency.py)
 compares the *device* share with the per-rank budget: measured peak − the ledger's host items, which are
-DeepSpeed's own offload buffers (checked byte for byte in tests/deepspeed/test_model_states_real.py).
+DeepSpeed's own offload buffers (checked byte for byte in tests/real/deepspeed/test_model_states_real.py).
 """
 
 from __future__ import annotations

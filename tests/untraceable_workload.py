@@ -1,5 +1,5 @@
 """An entry point whose forward has a data-dependent shape (``torch.nonzero``): it trains, but cannot be traced
-on fake tensors (tests/test_trace.py)."""
+on fake tensors (tests/launchers/trace/test_trace.py)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ that cannot be built this way (custom code that needs real values, a missing pac
 the reason, and the ledger keeps the shape's layout — never a crash.
 
 Studies given by their shape alone (the built-in GPT) keep the hand layout: it equals this inventory exactly
-(tests/test_inventory.py), and ``dsopt ledger`` then stays free of torch.
+(tests/launchers/trace/test_inventory.py), and ``dsopt ledger`` then stays free of torch.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ at depth 7, extending each stretch is exact.
 
 A depth-dependent structure the copies would miss (dense first layers, MoE every other layer, a per-layer
 list the copy cannot cut) shows as a parameter count that does not extend to the full model's: the model is
-then traced at its full depth. Tested against full-depth traces (``tests/test_trace_depth.py``).
+then traced at its full depth. Tested against full-depth traces (``tests/launchers/trace/test_trace_depth.py``).
 
 The built-in GPT's depth is ``layers``; a transformers config's the first of :data:`LAYER_KEYS` equal to the
 model's depth (in ``text_config`` when the model has one), with every per-layer list (a list of L entries,

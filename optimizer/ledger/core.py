@@ -182,7 +182,7 @@ class Ledger:
         """Of training's device peak, the bytes the ledger *estimates* rather than counts: activations (a trace
         or a formula) and the transient buffers (ZeRO-3's gathered parameters, buckets). Model states —
         parameters, gradients, optimizer states, master weights — are counted from the parameter inventory
-        and DeepSpeed's own partitioning, checked byte for byte on real ranks (tests/deepspeed/
+        and DeepSpeed's own partitioning, checked byte for byte on real ranks (tests/real/deepspeed/
         test_model_states_real.py). The launch margin scales with this share (:mod:`optimizer.search.ordering`)."""
         transient = self._largest_transient(Location.GPU)
         live = self._at(Location.GPU, Phase.ALWAYS) + self._at(Location.GPU, transient)

@@ -30,7 +30,7 @@ from ``training.model_init``) and DeepSpeed 0.19.8's set-up code; symbols are :m
   on CUDA the pinning copies one sub-group (+4S, ``accelerator/abstract_accelerator.py:335-339``), on CPU
   ranks ``pin_memory`` returns the tensor itself (``accelerator/cpu_accelerator.py:283-292``).
 
-Checked against the init-phase peak of real 2-rank CPU runs (``tests/deepspeed/test_init_real.py``). Adam's
+Checked against the init-phase peak of real 2-rank CPU runs (``tests/real/deepspeed/test_init_real.py``). Adam's
 states are created lazily at the first step at stages 1–3 (torch/DeepSpeed Adam), so they are not here.
 """
 

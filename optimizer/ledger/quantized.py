@@ -9,7 +9,7 @@ and the 16-entry fp32 codebook of the quant type (``get_4bit_type``, a tensor of
 offset. Per element: 0.5 + 4/64 = 0.5625 bytes without double quantization, ≈ 0.516 with it (the QLoRA paper's
 0.127 bits per parameter of constants, Dettmers et al. 2023 §3). Planned where a study has ``model.quantization``
 (:mod:`optimizer.study.quantization_section`); checked against real ``Params4bit`` quantizations by
-``tests/test_quantized_bytes.py``.
+``tests/optimizer/ledger/test_quantized_bytes.py``.
 """
 
 from __future__ import annotations

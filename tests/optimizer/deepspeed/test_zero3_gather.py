@@ -1,0 +1,60 @@
+"""DeepSpeed's ZeRO-3 coordinator replayed (optimizer/deepspeed/zero3_gather.py): hand-worked orders, from its rules.
+
+The real-DeepSpeed check (the replay equals the parameters DeepSpeed holds gathered or in flight when forward
+ends, on 2 CPU ranks) is tests/real/deepspeed/test_zero3_gather_real.py.
+"""
+
+from __future__ import annotations
+
+from optimizer.deepspeed.zero3_gather import GatherSettings, gathered, replay
+
+# Three leaf modules a, b, c in a container r: r(a(), b(), c()), then backward c, b, a (r last).
+# Parameters: a owns 0 (100 elements), b owns 1 (100), c owns 2 (100); r owns none.
+MODULE_PARAMS = [[], [0], [1], [2]]  # r, a, b, c
+NUMEL = [100, 100, 100]
+EVENTS = [("forward_pre", 0), ("forward_pre", 1), ("forward_post", 1), ("forward_pre", 2), ("forward_post", 2),
+          ("forward_pre", 3), ("forward_post", 3), ("forward_post", 0),
+          ("backward_pre", 0), ("backward_pre", 3), ("backward_post", 3), ("backward_pre", 2), ("backward_post", 2),
+          ("backward_pre", 1), ("backward_post", 1), ("backward_post", 0)]
+
+
+def _settings(prefetch: int, reuse: int = 0, max_live: int = 10**9) -> GatherSettings:
+    return GatherSettings(prefetch_bucket=prefetch, max_live=max_live, max_reuse_distance=reuse,
+                          persistence_threshold=10)
+
+
+def test_without_prefetch_each_module_is_released_after_it_runs():
+    # prefetch 0: nothing is popped past the module's own entries, so every mark is the use at hand
+    after = replay(events=EVENTS, module_params=MODULE_PARAMS, param_numel=NUMEL, settings=_settings(0))
+    assert after == [0, 100, 0, 100, 0, 100, 0, 0, 0, 100, 0, 100, 0, 100, 0, 0]
+
+
+def test_the_prefetch_front_marks_parameters_for_backward_and_keeps_them_across_the_turn():
+    # Trace (pre events): steps 0 r, 1 a, 2 b, 3 c, 4 r, 5 c, 6 b, 7 a; queue: (0,1) (1,2) (2,3) (2,5) (1,6) (0,7).
+    # Step 0 (r): no own params; prefetch pops (0,1): a gathered, 100.
+    # Step 1 (a): pops own entry? a's mark is 1 = step, so nothing to pop; prefetch pops (1,2): b gathered, 200.
+    #   a released at step 2 (mark 1 <= 2): 100.
+    # Step 2 (b): prefetch pops (2,3): c gathered, 200; b released: 100.
+    # Step 3 (c): prefetch pops (2,5) (c is available: mark 5, nothing gathered), (1,6): b gathered, 200, stop.
+    #   c released at step 4? its mark 5 > 4: kept. 200 when forward ends.
+    # Step 4 (r, backward): prefetch pops (0,7): a gathered, 300 — the peak; queue empty.
+    # Step 5 (c): c released at step 6 (mark 5): 200. Step 6 (b): released at 7 (mark 6): 100. Step 7 (a): 0.
+    after = replay(events=EVENTS, module_params=MODULE_PARAMS, param_numel=NUMEL, settings=_settings(50))
+    assert after == [100, 200, 100, 200, 100, 200, 200, 200, 300, 300, 200, 200, 100, 100, 0, 0]
+    assert gathered(events=EVENTS, module_params=MODULE_PARAMS, param_numel=NUMEL, settings=_settings(50)) == \
+        (300, 200)
+
+
+def test_max_live_parameters_stops_the_prefetch():
+    # max_live 100: a is prefetched at step 0 (100 live), and from then on the budget min(100 - live, 50) is 0
+    # while anything is gathered: each of b and c is fetched at its own use, marked for that use only (its own
+    # entry popped), and released after it — nothing is held across the turn (200 were with the bucket alone)
+    after = replay(events=EVENTS, module_params=MODULE_PARAMS, param_numel=NUMEL,
+                   settings=_settings(50, max_live=100))
+    assert after[:8] == [100, 100, 0, 100, 0, 100, 0, 0]
+
+
+def test_persistent_parameters_are_never_counted():
+    numel = [100, 5, 100]  # b's tensor is under the persistence threshold (10)
+    after = replay(events=EVENTS, module_params=MODULE_PARAMS, param_numel=numel, settings=_settings(0))
+    assert after[3] == 0 and max(after) == 100
