@@ -22,7 +22,15 @@ import optuna
 from launchers.study.artifacts import default_store_dir, uploader
 from launchers.study.op_prep import prepare_ops, study_candidates
 from launchers.study.progress import Progress, ProgressMode
-from launchers.trial.run import cached_reference_losses, reference_key, reference_losses, run_trial, trial_dir_for
+from launchers.trial.reference_trial import reference_as_trial
+from launchers.trial.run import (
+    cached_reference_losses,
+    reference_candidate,
+    reference_key,
+    reference_losses,
+    run_trial,
+    trial_dir_for,
+)
 from optimizer.ledger.core import Ledger, evaluate
 from optimizer.ledger.items import Location
 from optimizer.ledger.transformer import parameter_count, trainable_count
@@ -90,8 +98,13 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     valid = study_candidates(spec)  # judged once: the ops' needs and the ledgers below are of these
     if runner is None:  # DeepSpeed's ops, once per node before any launch; drops what this node cannot build
         spec = prepare_ops(spec=spec, gpus=gpus, worker=worker, candidates=valid)
+    base = baseline_candidate(spec.training)
+    baseline = reference_candidate(spec)  # the FP32 reference's candidate: its run is a whole trial of it
+    ours = baseline in valid and baseline in set(spec.search_space.candidates(base))
     losses = setup_study(study=study, spec=spec, space=space, worker=worker, key=reference_key(spec),
                          say=lambda text: _say(worker, text),
+                         measured=lambda: [baseline] if ours and runner is None and reference_as_trial(
+                             spec, baseline, trial_dir=None) is not None else [],
                          reference=reference or (lambda: reference_losses(spec, gpus=gpus)),
                          reference_launches=(lambda: 0) if reference is not None
                          else (lambda: 0 if cached_reference_losses(spec) is not None else 1))
@@ -123,7 +136,6 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     fail_stale = _fail_stale if storage_kind(storage) is StorageKind.POSTGRESQL else None
     gate = LaunchGate(budget=spec.budget, worker=worker, created_at=study.user_attrs.get(CREATED_ATTR),
                       fail_stale=fail_stale)
-    base = baseline_candidate(spec.training)
     kept = set(spec.search_space.candidates(base))  # less what an op missing on this node rules out
     verdicts = [v for v in (evaluate(candidate=c, model=spec.model, hardware=spec.hardware, training=spec.training)
                             for c in valid if c in kept) if v.ledger is not None]
@@ -134,7 +146,9 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
         run_loop(study, spec=spec, space=space, gate=gate, verdicts=verdicts, state=state, report=report,
                  runner=launch, n_trials=n_trials, timeout_s=timeout_s,
                  artifact_dir=lambda candidate: str(trial_dir_for(spec, candidate)),
-                 after_launch=uploader(default_store_dir(spec.output_dir), warn=report.say))
+                 after_launch=uploader(default_store_dir(spec.output_dir), warn=report.say),
+                 measured=None if runner is not None else lambda candidate: reference_as_trial(
+                     stated, candidate, trial_dir=trial_dir_for(spec, candidate)) if candidate == baseline else None)
     finally:
         report.close()
     return study

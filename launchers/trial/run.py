@@ -42,7 +42,7 @@ from launchers.trial.local import (
 )
 from launchers.trial.node_share import WorkerSlot, gpu_slice, read_cpu_allowance, visible_gpus, worker_slot
 from launchers.trial.nvme_folder import create_folders, per_launch_config, remove_folders
-from launchers.trial.script_trial import script_command, script_plan, script_tokens_per_step
+from launchers.trial.script_trial import script_command, script_plan, script_tokens_per_step, with_script_counts
 from optimizer.deepspeed.config import build_ds_config
 from optimizer.deepspeed.versions import installed_versions, warn_deepspeed_mismatch
 from optimizer.ledger.core import evaluate
@@ -281,10 +281,7 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
     if mismatch := wrong_device(reports, expected=str(study.hardware.accelerator)):
         result = dataclasses.replace(result, outcome=Outcome.CRASH, message=mismatch, tokens_per_s=None,
                                      log_tail=log_tail(log_path))
-    if study.trial.command is not None and reports:
-        first = {name: next((r.get(name) for _, r in sorted(reports.items()) if r.get(name)), None)
-                 for name in ("script_parameters", "script_trainable_parameters")}
-        result = dataclasses.replace(result, **first)
+    result = with_script_counts(study, result, reports)
     if result.outcome is Outcome.OK:
         result = dataclasses.replace(result, log_tail="")
     record_json = {**result_json(result), "versions": installed_versions(),

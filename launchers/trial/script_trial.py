@@ -9,6 +9,7 @@ it. The script runs in the study file's folder.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 from optimizer.ledger.transformer import parameter_count
 from optimizer.results.export import hf_auto
 from optimizer.results.loss_scaling import skip_allowance
+from optimizer.results.trial_result import TrialResult
 from optimizer.study.knobs import Candidate, EveryKCheckpointing, FullCheckpointing, NoCheckpointing, OffloadDevice
 from optimizer.study.script_command import command_values, substitute
 from optimizer.study.specs import TransformerModel
@@ -97,3 +99,13 @@ def script_tokens_per_step(study: StudySpec, reports: dict[int, dict[str, Any]])
     command = study.trial.command
     per_sample = (command.tokens_per_sample if command else None) or study.training.sequence_length
     return per_sample * study.model.rows(study.training.global_batch_size)
+
+
+def with_script_counts(study: StudySpec, result: TrialResult, reports: dict[int, dict[str, Any]]) -> TrialResult:
+    """``result`` with the parameter counts a script trial's hook reported (the first rank that has them); as it is
+    for dsopt's own step."""
+    if study.trial.command is None or not reports:
+        return result
+    first = {name: next((r.get(name) for _, r in sorted(reports.items()) if r.get(name)), None)
+             for name in ("script_parameters", "script_trainable_parameters")}
+    return dataclasses.replace(result, **first)

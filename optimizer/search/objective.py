@@ -123,9 +123,12 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
                    artifact_dir: Callable[[Candidate], str] | None = None,
                    gate: LaunchGate | None = None,
                    models: Callable[[], StudyModels | None] | None = None,
-                   after_launch: Callable[[optuna.Trial], None] | None = None) -> Callable[[optuna.Trial], tuple]:
-    """The objective: invalid → prune; measured already → reuse; predicted not to fit → prune; then the launch
-    gate, then a real trial (``runner``).
+                   after_launch: Callable[[optuna.Trial], None] | None = None,
+                   measured: Callable[[Candidate], TrialResult | None] | None = None) -> Callable[[optuna.Trial],
+                                                                                                    tuple]:
+    """The objective: invalid → prune; measured already → reuse; measured outside the study's trials (``measured``:
+    the FP32 reference run is a whole trial of its candidate) → recorded as a trial with no launch, whatever the
+    models predict; predicted not to fit → prune; then the launch gate, then a real trial (``runner``).
 
     ``artifact_dir`` names where a launched trial keeps its files (recorded as the ``trial_dir`` attribute);
     ``after_launch`` is called with the trial, still running, once its launch returned (ok or not): the
@@ -162,29 +165,36 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
             return _reuse(trial, previous, tolerance)
         current = models() if models is not None else study_models(spec=spec, trials=[], base=base)
         trial.set_user_attr("memory_factor", current.memory_factor(candidate))
-        standing = assess(verdict, models=current)
-        trial.set_user_attr("fit_probability", standing.fit_probability)
-        if standing.standing is Standing.PRUNED:
-            trial.set_user_attr("pruned_reason", standing.reason)
-            trial.set_user_attr("ledger", ledger_json(ledger))
-            raise optuna.TrialPruned(standing.reason)
-        chosen = str(trial.user_attrs.get("enqueued_by", "")).startswith(POLICY_MARK)
-        if standing.standing is Standing.RISKY and not chosen:
-            trial.set_user_attr("held", True)
-            trial.set_user_attr("launch_margin_bytes", standing.margin_bytes)
-            trial.set_user_attr("pruned_reason", f"held: {standing.reason.removeprefix('risky: ')} — launched when "
-                                "the launch policy prices the risk worth it, not on the sampler's proposal")
-            raise optuna.TrialPruned(trial.user_attrs["pruned_reason"])
+        known = measured(candidate) if measured is not None else None
+        if known is None:
+            standing = assess(verdict, models=current)
+            trial.set_user_attr("fit_probability", standing.fit_probability)
+            if standing.standing is Standing.PRUNED:
+                trial.set_user_attr("pruned_reason", standing.reason)
+                trial.set_user_attr("ledger", ledger_json(ledger))
+                raise optuna.TrialPruned(standing.reason)
+            chosen = str(trial.user_attrs.get("enqueued_by", "")).startswith(POLICY_MARK)
+            if standing.standing is Standing.RISKY and not chosen:
+                trial.set_user_attr("held", True)
+                trial.set_user_attr("launch_margin_bytes", standing.margin_bytes)
+                trial.set_user_attr("pruned_reason", f"held: {standing.reason.removeprefix('risky: ')} — launched "
+                                    "when the launch policy prices the risk worth it, not on the sampler's proposal")
+                raise optuna.TrialPruned(trial.user_attrs["pruned_reason"])
         previous = _acquire(trial, key, gate)
         if previous is not None:
             return _reuse(trial, previous, tolerance)
         if artifact_dir is not None:
             trial.set_user_attr("trial_dir", artifact_dir(candidate))
-        result = runner(candidate)
-        # An invalid result started no rank (an op this node cannot build, launchers/study/op_prep.py): no launch spent.
-        trial.set_user_attr(LAUNCHES_ATTR, 0 if result.outcome is Outcome.INVALID and not result.ranks else 1)
         failed: list[dict[str, Any]] = []
-        while result.outcome in RETRIED and len(failed) < spec.trial.retries:  # maybe transient: once more
+        if known is not None:  # the FP32 reference's own launch, counted as the reference (REFERENCE_LAUNCHES_ATTR)
+            result = known
+            trial.set_user_attr(LAUNCHES_ATTR, 0)
+            trial.set_user_attr("measured_by", "the FP32 reference run")
+        else:
+            result = runner(candidate)
+            # An invalid result started no rank (an op this node cannot build, launchers/study/op_prep.py): no launch.
+            trial.set_user_attr(LAUNCHES_ATTR, 0 if result.outcome is Outcome.INVALID and not result.ranks else 1)
+        while result.outcome in RETRIED and len(failed) < spec.trial.retries and known is None:  # maybe transient
             failed.append({"outcome": result.outcome.value, "message": result.message[-300:], "wall_s": result.wall_s})
             trial.set_user_attr("failed_attempts", failed)
             result = runner(candidate)

@@ -37,7 +37,7 @@ def trial_summary(frozen: optuna.trial.FrozenTrial, *, base: Candidate, on_front
     elif "reused_from" in attrs:
         status, reason = "reused", f"result of trial #{attrs['reused_from']}"
     else:
-        status, reason = "measured", ""
+        status, reason = "measured", str(attrs.get("measured_by", ""))
     values = frozen.values if frozen.state is TrialState.COMPLETE and frozen.values else None
     return {"trial": frozen.number, "status": status, "label": label, "knobs": knobs,
             "memory_bytes": int(values[0]) if values else None, "tokens_per_s": values[1] if values else None,
@@ -52,8 +52,9 @@ def trial_line(summary: dict[str, Any]) -> str:
     if summary["memory_bytes"] is not None:
         front = "  ✓ front" if summary["on_front"] else ""
         reused = "  (reused)" if summary["status"] == "reused" else ""
+        by = f"  ({summary['reason']})" if summary["status"] == "measured" and summary["reason"] else ""
         return (f"{head} {summary['memory_bytes'] / 1e6:6.2f} MB  {summary['tokens_per_s']:>10,.0f} tok/s"
-                f"{front}{reused}")
+                f"{front}{reused}{by}")
     reason = " ".join(str(summary["reason"]).split()).removeprefix(f"{summary['status']}: ")
     if len(reason) > REASON_CHARS:
         reason = reason[:REASON_CHARS - 1] + "…"

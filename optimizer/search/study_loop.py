@@ -57,6 +57,8 @@ from optimizer.study.study_file import StudySpec
 TrialState = optuna.trial.TrialState
 WAIT_S = 2.0
 """Poll interval while waiting for another worker (setup, or the last candidates in flight)."""
+MEASURED_MARK = f"{POLICY_MARK} (measured by the FP32 reference run)"
+"""``enqueued_by`` of a candidate the reference run measured: recorded as a trial with no launch."""
 
 
 class Report(Protocol):
@@ -96,11 +98,14 @@ WAIT = StopReason(text="every remaining candidate is being run by another worker
 
 def setup_study(*, study: optuna.Study, spec: StudySpec, space: Branches, worker: str, key: str,
                 reference: Callable[[], list[float]], say: Callable[[str], None], wait_s: float = WAIT_S,
-                reference_launches: Callable[[], int] = lambda: 0) -> list[float]:
-    """Seed the study and obtain the FP32 reference losses exactly once per study file (setup lease ``key``:
+                reference_launches: Callable[[], int] = lambda: 0,
+                measured: Callable[[], Sequence[Candidate]] = lambda: ()) -> list[float]:
+    """Obtain the FP32 reference losses and seed the study exactly once per study file (setup lease ``key``:
     the reference's identity); returns the reference losses. Other workers wait for the holder; a dead holder's
     lease is taken over. ``reference_launches`` says, before the reference is obtained, how many launches it
-    will take (1 unless it is cached): the study records it, and ``budget.max_launches`` counts it."""
+    will take (1 unless it is cached): the study records it, and ``budget.max_launches`` counts it.
+    ``measured``: the candidates the reference run measured as a trial measures them (its own, where it is in the
+    space), asked once the reference has run: enqueued ahead of the seeds (:data:`MEASURED_MARK`)."""
     lease = SetupLease(study, key=key, worker=worker)
     announced = False
     while not lease.ready():
@@ -111,11 +116,15 @@ def setup_study(*, study: optuna.Study, spec: StudySpec, space: Branches, worker
             try:
                 if CREATED_ATTR not in study.user_attrs:
                     study.set_user_attr(CREATED_ATTR, now_utc().isoformat())
-                enqueued = seed_study(study, spec, space)
-                say(f"setting up the study: {enqueued} candidate(s) enqueued, FP32 reference run")
+                say("setting up the study: the FP32 reference run")
                 launches = reference_launches()
                 study.set_user_attr("reference_losses", reference())
                 study.set_user_attr(REFERENCE_LAUNCHES_ATTR, launches)
+                for candidate in measured():  # first in the queue: recorded before any launch (run_loop)
+                    study.enqueue_trial(distribution_params(candidate, space), skip_if_exists=True,
+                                        user_attrs={"enqueued_by": MEASURED_MARK})
+                enqueued = seed_study(study, spec, space)
+                say(f"setting up the study: {enqueued} candidate(s) enqueued")
                 study.set_user_attr("reference_key", lease.key)
                 lease.finish()
             finally:
@@ -144,11 +153,17 @@ def run_loop(study: optuna.Study, *, spec: StudySpec, space: Branches, gate: Lau
              state: LoopState, report: Report, runner: Callable[[Candidate], TrialResult],
              n_trials: int | None, timeout_s: float | None,
              artifact_dir: Callable[[Candidate], str] | None = None,
-             after_launch: Callable[[optuna.Trial], None] | None = None) -> None:
-    """Run trials until a stop reason (module doc). ``verdicts``: the space's valid candidates, evaluated once."""
+             after_launch: Callable[[optuna.Trial], None] | None = None,
+             measured: Callable[[Candidate], TrialResult | None] | None = None) -> None:
+    """Run trials until a stop reason (module doc). ``verdicts``: the space's valid candidates, evaluated once;
+    ``measured``: a result measured outside the study's trials, or None (the FP32 reference run is a whole trial of
+    its candidate, :func:`setup_study` queues it first): recorded before anything else, with no launch, so that even
+    a study of one launch — the reference — has a measured point."""
     base = baseline_candidate(spec.training)
     objective = make_objective(spec=spec, space=space, runner=runner, gate=gate, models=lambda: state.models,
-                               artifact_dir=artifact_dir, after_launch=after_launch)
+                               artifact_dir=artifact_dir, after_launch=after_launch, measured=measured)
+    while (queue := _waiting(study)) and queue[0].user_attrs.get("enqueued_by") == MEASURED_MARK:  # no launch
+        study.optimize(objective, n_trials=1, catch=(TrialFailed,), callbacks=[report.finished])
     start = time.monotonic()
     proposals = 0
     own_reference = int(study.user_attrs.get(REFERENCE_LAUNCHES_ATTR, 0)) \
@@ -182,6 +197,11 @@ def run_loop(study: optuna.Study, *, spec: StudySpec, space: Branches, gate: Lau
             _guide(study, space=space, trials=trials, ranked=ranked, models=state.models)
         study.optimize(objective, n_trials=1, catch=(TrialFailed,), callbacks=[report.finished])
         proposals += 1
+
+
+def _waiting(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """The queue, oldest first (the order Optuna pops it)."""
+    return [t for t in study.get_trials(deepcopy=False) if t.state is TrialState.WAITING]
 
 
 def _refresh_models(study: optuna.Study, *, spec: StudySpec, trials: list[optuna.trial.FrozenTrial],

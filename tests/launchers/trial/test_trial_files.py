@@ -3,6 +3,7 @@ seen, an OOM kill recorded), and the FP32 reference cache keyed on the library v
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from trial_fixtures import NEAR, GiB, library_versions, rank_report
 
 from optimizer.results.trial_result import Outcome
+from optimizer.study.specs import baseline_candidate
 
 
 def test_stale_build_locks_are_cleared_but_fresh_ones_kept(tmp_path):
@@ -159,3 +161,37 @@ def test_a_reference_that_crashed_is_launched_once_more_as_a_trial_would_be(repo
     with pytest.raises(trial.ReferenceFailed):
         trial.reference_losses(study)
     assert outcomes == []
+
+
+def test_the_reference_run_is_read_back_as_the_trial_of_its_candidate_only(repo_root, tmp_path, monkeypatch):
+    import json
+
+    import launchers.trial.run as trial
+    from launchers.trial.reference_trial import reference_as_trial
+    from optimizer.results.trial_result import TrialResult
+
+    study = _tiny_study(repo_root, tmp_path)
+    base = baseline_candidate(study.training)  # cpu-tiny's reference (the test above)
+    folder = study.output_dir / "reference"
+
+    def run_trial(**kwargs):  # the reference launch: its ranks' reports and result.json, as a launch leaves them
+        kwargs["trial_dir"].mkdir(parents=True, exist_ok=True)
+        for rank in range(2):
+            (kwargs["trial_dir"] / f"rank{rank}.json").write_text(json.dumps(rank_report(rank)))
+        (kwargs["trial_dir"] / "result.json").write_text(json.dumps({"outcome": "ok", "wall_s": 12.5}))
+        return TrialResult(outcome=Outcome.OK, losses=(2.0, 1.5, 1.0))
+
+    assert reference_as_trial(study, base, trial_dir=tmp_path / "t") is None  # no reference run yet
+    monkeypatch.setattr(trial, "run_trial", run_trial)
+    trial.reference_losses(study)
+    result = reference_as_trial(study, base, trial_dir=tmp_path / "t")
+    # summarised as a launch is: each rank's measured steps took 0.2 and 0.4 s, so the median of the slowest per step
+    # is 0.3 s; cpu-tiny's 8 rows × 64 tokens per step; its own losses as the reference: fidelity 0
+    assert result.outcome is Outcome.OK and result.loss_fidelity == 0.0 and result.wall_s == 12.5
+    assert result.step_time_s == pytest.approx(0.3) and result.tokens_per_s == pytest.approx(8 * 64 / 0.3)
+    assert result.peak_memory_bytes == 101  # rank 1's
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == ["rank0.json", "rank1.json", "result.json"]
+    other = dataclasses.replace(base, micro_batch_size=1)
+    assert reference_as_trial(study, other, trial_dir=tmp_path / "u") is None and not (tmp_path / "u").exists()
+    (folder / "rank0.json").write_text(json.dumps(rank_report(0, losses=[9.0, 9.0, 9.0])))  # not the cached run
+    assert reference_as_trial(study, base, trial_dir=None) is None

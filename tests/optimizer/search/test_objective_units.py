@@ -147,6 +147,30 @@ def test_a_candidate_predicted_not_to_fit_is_pruned_with_the_policys_reason(tiny
     assert "ledger" in trial.user_attrs and calls == []
 
 
+@pytest.mark.parametrize(("training", "outcome"), [(900_000, None), (1_100_000, "oom")])
+def test_a_candidate_the_reference_run_measured_is_recorded_with_no_launch_whatever_the_prediction(
+        tiny, training, outcome):
+    # 1 MB: the ledger prunes the baseline (the test above); the FP32 reference run measured it all the same, so its
+    # measurement is recorded, as any launch's is judged: 0.9 MB fits, 1.1 MB is over the budget (an oom), and
+    # neither is a launch (the reference's own launch is counted as the reference's).
+    spec = replace(tiny, hardware=replace(tiny.hardware, gpu_memory_bytes=1_000_000))
+    base = baseline_candidate(spec.training)
+    calls: list = []
+    study = optuna.create_study(directions=list(DIRECTIONS))
+    trial = _asked(study, spec, base)
+    objective = _objective(spec, calls, None, measured=lambda c: _ok(training=training, init=500_000)
+                           if c == base else None)
+    if outcome is None:
+        assert objective(trial) == (900_000.0, 1000.0)
+    else:
+        with pytest.raises(TrialFailed):
+            objective(trial)
+        assert trial.user_attrs["outcome"] == outcome
+    assert calls == [] and trial.user_attrs["launches"] == 0
+    assert trial.user_attrs["measured_by"] == "the FP32 reference run"
+    assert "pruned_reason" not in trial.user_attrs and "fit_probability" not in trial.user_attrs
+
+
 class _Stop(Exception):
     """Raised by the models callable: the objective got past its predictions."""
 

@@ -58,6 +58,15 @@ def test_a_reused_trial_says_whose_result_and_has_no_wall_time(tiny):
     assert (summary["memory_bytes"], summary["tokens_per_s"], summary["launches"]) == (1_000_000, 5.0, 0)
 
 
+def test_a_trial_the_reference_run_measured_says_so_and_counts_no_launch(tiny):
+    base = baseline_candidate(tiny.training)
+    frozen = _frozen(TrialState.COMPLETE, values=[3_714_000.0, 28_258.0], candidate=Z2_KNOBS, launches=0,
+                     measured_by="the FP32 reference run", wall_s=11.0)
+    summary = trial_summary(frozen, base=base, on_front=True)
+    assert (summary["status"], summary["reason"], summary["launches"]) == ("measured", "the FP32 reference run", 0)
+    assert trial_line(summary).endswith("3.71 MB      28,258 tok/s  ✓ front  (the FP32 reference run)")
+
+
 def test_pruned_and_held_trials_keep_their_reason_and_no_objectives(tiny):
     base = baseline_candidate(tiny.training)
     pruned = _frozen(TrialState.PRUNED, candidate=Z2_KNOBS, pruned_reason="does not fit: 3.43 MB of 3.00 MB")
