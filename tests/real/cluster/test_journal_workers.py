@@ -32,5 +32,7 @@ def test_two_workers_complete_a_study_on_a_journal_file(tmp_path):
     stored = optuna.load_study(study_name=spec.name, storage=open_storage(storage, workers=spec.workers))
     measured = [t for t in stored.get_trials() if t.state is optuna.trial.TrialState.COMPLETE
                 and "reused_from" not in t.user_attrs]
-    assert len(measured) == 2 and stored.best_trials
+    by_reference = [t for t in measured if t.user_attrs.get("measured_by") == "the FP32 reference run"]
+    assert len(by_reference) == 1 and by_reference[0].user_attrs["launches"] == 0  # the reference's own launch
+    assert len(measured) == 3 and stored.best_trials
     assert not [t for t in stored.get_trials() if t.state is optuna.trial.TrialState.RUNNING]

@@ -65,7 +65,9 @@ def test_three_workers_share_one_study(tmp_path, postgres_url):
     assert len({r["worker"] for r in started}) >= 2, "the work was not shared"
 
     # Every launch is recorded once in the study, by the worker that made it; nothing is left running.
-    claimed = active_claims(stored.get_trials())
+    claimed = [t for t in active_claims(stored.get_trials()) if "measured_by" not in t.user_attrs]
+    by_reference = [t for t in stored.get_trials() if t.user_attrs.get("measured_by") == "the FP32 reference run"]
+    assert len(by_reference) == 1 and by_reference[0].user_attrs["launches"] == 0  # recorded, not launched again
     assert sorted(_key(t.user_attrs["candidate"]) for t in claimed) == sorted(_key(r["candidate"]) for r in started)
     assert collections.Counter(t.user_attrs["worker"] for t in claimed) == collections.Counter(
         r["worker"] for r in started)
@@ -104,7 +106,8 @@ def test_a_killed_worker_s_trial_is_failed_and_retried_elsewhere(tmp_path, postg
     assert done[0].user_attrs["worker"] != first["worker"]
     # No completed trial lost: every launch that ended ok is a COMPLETE trial with values.
     ok_ends = [r for r in _trial_launches(study_dir, "end") if r["outcome"] == "ok"]
-    measured = [t for t in trials if t.state is optuna.trial.TrialState.COMPLETE and "reused_from" not in t.user_attrs]
+    measured = [t for t in trials if t.state is optuna.trial.TrialState.COMPLETE and "reused_from" not in t.user_attrs
+                and "measured_by" not in t.user_attrs]  # the FP32 reference's trial: its launch is the reference's
     assert len(ok_ends) == len(measured) and all(t.values for t in measured)
     # The cap is met exactly: max_launches 5 = the FP32 reference's one launch + 4 trial launches — the killed one
     # (its claim stays on the stale FAIL trial and counts, coordination.launches_used), its retry and two more. The
