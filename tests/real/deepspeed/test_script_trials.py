@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from optimizer.cli import main
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[3]
 DSOPT = [sys.executable, "-m", "optimizer.cli"]
@@ -27,6 +29,15 @@ def _examples(tmp_path: Path) -> Path:
         return [n for n in names if depth == 1 and (Path(folder) / n).is_dir()]
 
     return Path(shutil.copytree(ROOT / "examples", tmp_path / "examples", ignore=outputs))
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """A dsopt command that starts no process, run in this one (the same ``main`` the console script calls): what
+    it returns and prints."""
+    capsys.readouterr()
+    code = main(list(args))
+    printed = capsys.readouterr()
+    return code, printed.out, printed.err
 
 
 def _dsopt(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -44,7 +55,7 @@ def _dsopt(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     ("trl_dpo", "trl-dpo", 1),
     ("trl_sft", "trl-sft", 1),  # TRL's SFTTrainer with a PEFT peft_config and its fused head
 ])
-def test_an_example_is_tuned_and_its_export_trains_without_dsopt_as_measured(tmp_path, example, name, ranks):
+def test_an_example_is_tuned_and_its_export_trains_without_dsopt_as_measured(tmp_path, capsys, example, name, ranks):
     pytest.importorskip("transformers")
     if example == "qlora_trainer":
         pytest.importorskip("bitsandbytes")
@@ -54,17 +65,17 @@ def test_an_example_is_tuned_and_its_export_trains_without_dsopt_as_measured(tmp
     run = _dsopt("study", "run", str(study), "--n-trials", "2", cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert re.search(r"feasible Pareto front: [1-9]", run.stdout), run.stdout
-    front = _dsopt("pareto", str(study), cwd=tmp_path)
-    assert front.returncode == 0 and (study.parent / name / "pareto.png").is_file(), front.stdout + front.stderr
+    code, printed, errors = _cli(capsys, "pareto", str(study))
+    assert code == 0 and (study.parent / name / "pareto.png").is_file(), printed + errors
     out = tmp_path / "ds_config.json"
-    export = _dsopt("export", str(study), "--pick", "fastest", "--out", str(out), cwd=tmp_path)
-    assert export.returncode == 0, export.stdout + export.stderr
-    line = re.search(r"train with it .*?: (.*)", export.stdout).group(1)
-    planned = re.search(r"planned for: (.*)", export.stdout).group(1)
+    code, exported, errors = _cli(capsys, "export", str(study), "--pick", "fastest", "--out", str(out))
+    assert code == 0, exported + errors
+    line = re.search(r"train with it .*?: (.*)", exported).group(1)
+    planned = re.search(r"planned for: (.*)", exported).group(1)
     assert ("PEFT LoRA r=8" in planned) is (example in ("peft_lora", "qlora_trainer", "trl_sft")), planned
     assert ("4-bit nf4" in planned) is (example == "qlora_trainer"), planned
     assert str(out) in line and "{max_steps}" in line, line
-    label = re.search(r"picked trial #\d+ \(fastest\): (.*)", export.stdout).group(1)
+    label = re.search(r"picked trial #\d+ \(fastest\): (.*)", exported).group(1)
     measured = json.loads(next((study.parent / name / "trials").glob(label.replace(" ", "_") + "*/result.json"))
                           .read_text())
     trial_peak = max(r["peak_allocated_bytes"] for r in measured["ranks"])
@@ -73,8 +84,9 @@ def test_an_example_is_tuned_and_its_export_trains_without_dsopt_as_measured(tmp
         knobs = re.fullmatch(r"z(\d) (\w+) ckpt=(\S+) mbs=(\d+)", label).groups()
         sets = [a for k, v in zip(("zero_stage", "precision", "checkpointing", "micro_batch_size"), knobs, strict=True)
                 for a in ("--set", f"{k}={v}")]
-        ledger = _dsopt("ledger", str(study), *sets, "--json", cwd=tmp_path)
-        planned_peak = json.loads(ledger.stdout)["per_gpu"]["total"]
+        code, ledger, errors = _cli(capsys, "ledger", str(study), *sets, "--json")
+        assert code == 0, errors
+        planned_peak = json.loads(ledger)["per_gpu"]["total"]
         assert abs(planned_peak - trial_peak) <= 0.03 * trial_peak, (planned_peak, trial_peak)
     # The script, given the exported JSON and the arguments the export printed, run without dsopt.
     args = shlex.split(line.replace("{max_steps}", "6").replace("{trial_dir}", str(tmp_path / "plain")))[2:]
