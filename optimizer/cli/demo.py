@@ -32,7 +32,9 @@ def run(args: argparse.Namespace) -> int:
     budget = study.hardware.gpu_memory_bytes
     headroom = study.budget.headroom_for(study.hardware.accelerator)
     print(front_table(demo.study, budget_bytes=budget, headroom=headroom))
-    print(f"\ntrials: {c['measured']} launched and measured, {c['reused']} reused, {c['pruned']} pruned by the "
+    by_reference = sum(1 for t in demo.study.get_trials(deepcopy=False) if "measured_by" in t.user_attrs)
+    launched = f" ({by_reference} of them by the FP32 reference's own launch)" if by_reference else ""
+    print(f"\ntrials: {c['measured']} measured{launched}, {c['reused']} reused, {c['pruned']} pruned by the "
           f"ledger (never launched), {c['held']} held (risky proposals of the sampler, not launched then), "
           f"{c['failed']} failed (oom included); wall "
           f"time {demo.wall_s:.0f} s")
