@@ -1,6 +1,6 @@
 """What trains: the study file's ``model.peft`` (a PEFT LoRA setup) and ``training.frozen`` (parameter-name globs that
 do not train), checked before any work (pure: peft itself is imported only where the model is built,
-:mod:`launchers.trainable`).
+:mod:`launchers.models.trainable`).
 
 ``model.peft`` is a mapping with ``peft.LoraConfig``'s own field names (peft 0.21, ``tuners/lora/config.py``), or
 the path of a PEFT ``adapter_config.json`` (relative to the study file). dsopt plans the fields below; a mapping
