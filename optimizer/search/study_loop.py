@@ -47,7 +47,7 @@ from optimizer.search.coordination import (
 )
 from optimizer.search.next_launch import Option, final_keys, options
 from optimizer.search.objective import POLICY_MARK, LaunchGate, TrialFailed, make_objective, seed_study
-from optimizer.search.ordering import CALIBRATION_ATTR, EXPLORE_EVERY, StudyModels, study_models
+from optimizer.search.ordering import CALIBRATION_ATTR, EXPLORE_EVERY, StudyModels, candidate_of, study_models
 from optimizer.search.space import Branches, distribution_params
 from optimizer.search.untried import untried_text
 from optimizer.study.knobs import Candidate
@@ -122,7 +122,7 @@ def setup_study(*, study: optuna.Study, spec: StudySpec, space: Branches, worker
                 study.set_user_attr(REFERENCE_LAUNCHES_ATTR, launches)
                 for candidate in measured():  # first in the queue: recorded before any launch (run_loop)
                     study.enqueue_trial(distribution_params(candidate, space), skip_if_exists=True,
-                                        user_attrs={"enqueued_by": MEASURED_MARK})
+                                        user_attrs={"enqueued_by": MEASURED_MARK, "candidate": candidate.knobs()})
                 enqueued = seed_study(study, spec, space)
                 say(f"setting up the study: {enqueued} candidate(s) enqueued")
                 study.set_user_attr("reference_key", lease.key)
@@ -162,7 +162,9 @@ def run_loop(study: optuna.Study, *, spec: StudySpec, space: Branches, gate: Lau
     base = baseline_candidate(spec.training)
     objective = make_objective(spec=spec, space=space, runner=runner, gate=gate, models=lambda: state.models,
                                artifact_dir=artifact_dir, after_launch=after_launch, measured=measured)
-    while (queue := _waiting(study)) and queue[0].user_attrs.get("enqueued_by") == MEASURED_MARK:  # no launch
+    while (queue := _waiting(study)) and queue[0].user_attrs.get("enqueued_by") == MEASURED_MARK \
+            and measured is not None and measured(candidate_of(queue[0].user_attrs["candidate"], base)) is not None:
+        # recorded with no launch; where this worker cannot read the reference's files it stays queued for the loop
         study.optimize(objective, n_trials=1, catch=(TrialFailed,), callbacks=[report.finished])
     start = time.monotonic()
     proposals = 0
