@@ -45,7 +45,8 @@ ZeRO-3 replay): their source is in every key, so an edit of any of them traces a
 ENTRY_FORMAT = 1
 """Bumped when a cache entry's layout (``{"ok", "result"}``) changes."""
 _RESULT_FIELDS = ("parameters", "activation_peak_bytes", "peak_phase", "stored_bytes", "blocks_stored_bytes",
-                  "joint_segments", "ungraded_segments", "graded_segments", "notes", "zero3_gathered_elements")
+                  "joint_segments", "ungraded_segments", "graded_segments", "notes", "zero3_gathered_elements",
+                  "zero3_joint_segments")
 """What a stored trace must hold to be used (the ledger's figures and :func:`trace_rows`' columns)."""
 
 
@@ -190,7 +191,7 @@ def traced_activation(*, cache: TraceCache | None, model_spec: dict[str, Any], c
     (:class:`optimizer.study.traced_activation.TracedActivation`), from shallow copies of the model when they
     extend to its ``parameters`` (:meth:`TraceCache.entry`); ``cache`` None: not stored."""
     store = cache if cache is not None else TraceCache(None)
-    points, joints, splits, phase, notes, zero3 = [], [], [], "backward", (), 0
+    points, joints, splits, phase, notes, zero3, zero3_joints = [], [], [], "backward", (), 0, []
     for micro_batch in sorted(set(micro_batches)):
         entry = store.entry(model_spec=model_spec, parameters=parameters, checkpointing=checkpointing,
                             precision=precision, micro_batch=micro_batch, sequence_length=sequence_length)
@@ -204,9 +205,13 @@ def traced_activation(*, cache: TraceCache | None, model_spec: dict[str, Any], c
                        max(result["graded_segments"], default=0)))
         phase, notes = result["peak_phase"], tuple(result["notes"])
         zero3 = max(zero3, result["zero3_gathered_elements"])
+        if result["zero3_joint_segments"]:
+            zero3_joints.append((micro_batch, *_joint_peak(result["zero3_joint_segments"])))
     return TracedActivation(checkpointing=checkpointing, precision=precision, points=tuple(points), peak_phase=phase,
                             joint_points=tuple(joints), split_points=tuple(splits), notes=notes,
-                            zero3_gathered=zero3, zero3_run=bool(model_spec.get(ZERO3_RUN)))
+                            zero3_gathered=zero3,
+                            zero3_joint_points=tuple(zero3_joints) if len(zero3_joints) == len(points) else (),
+                            zero3_run=bool(model_spec.get(ZERO3_RUN)))
 
 
 def usable_cpus() -> int:

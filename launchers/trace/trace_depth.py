@@ -68,7 +68,8 @@ def spec_at_depth(model_spec: dict[str, Any], layers: int) -> dict[str, Any] | N
 
 def extrapolate(shallow: Any, deeper: Any, *, depths: tuple[int, int], layers: int) -> Any:
     """The trace of ``layers`` blocks from the traces at ``depths`` (module doc): every integer figure (and each
-    op's kept bytes) extended linearly, the joint peaks by :func:`_segments`; the largest module, the phase and
+    op's kept bytes) extended linearly, the joint peaks (with gradients, with ZeRO-3's gathered parameters) by
+    :func:`_segments`; the largest module, the phase and
     the notes are the deeper copy's."""
     (d1, d2) = depths
     steps = (layers - d1) / (d2 - d1)
@@ -86,6 +87,9 @@ def extrapolate(shallow: Any, deeper: Any, *, depths: tuple[int, int], layers: i
         "joint_segments": _segments(shallow.joint_segments, deeper.joint_segments, depths=depths, line=line),
         "working_segments": tuple(marks), "activation_peak_bytes": max(marks), **split,
         "peak_phase": "forward" if marks[0] == max(marks) else "backward"}
+    if shallow.zero3_joint_segments and deeper.zero3_joint_segments:
+        out["zero3_joint_segments"] = _segments(shallow.zero3_joint_segments, deeper.zero3_joint_segments,
+                                                depths=depths, line=line)
     for field in dataclasses.fields(deeper):
         a, b = getattr(shallow, field.name), getattr(deeper, field.name)
         if field.name in out:

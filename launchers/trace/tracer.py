@@ -34,7 +34,7 @@ from launchers.models.fake_kernels import grouped_mm_for_fake_tensors
 from launchers.models.four_bit import emulate_four_bit_matmuls, is_four_bit
 from launchers.models.reference import anchored, freeze_all, frozen_copy_spec, reference_forward
 from launchers.models.zero3_linear import deepspeed_linear
-from optimizer.deepspeed.zero3_gather import gathered
+from optimizer.deepspeed.zero3_gather import gathered, replay
 from optimizer.deepspeed.zero_settings import gather_settings
 from optimizer.ledger.quantized import packed_elements
 from optimizer.study.knobs import Precision
@@ -89,6 +89,12 @@ class TraceResult:
     replayed over the traced module order (:mod:`optimizer.deepspeed.zero3_gather`)."""
     zero3_gathered_after_forward: int = 0
     """Of those, what is gathered when forward ends."""
+    zero3_joint_segments: tuple[tuple[int, int], ...] = ()
+    """(activations + temporaries, bytes of parameters ZeRO-3 holds gathered — each in its own dtype, with the
+    coalesced prefetch buffers that outlive their wait) where their sum peaked, per stretch as ``joint_segments``:
+    the coordinator replayed over the traced module order gives what is gathered between two module events, the
+    trace what is live then. With full checkpointing the two peak apart (the gathers at the turn to backward, the
+    activations while a block is recomputed), so this is less than their maxima added."""
     notes: tuple[str, ...] = ()
     """What the trace assumed, stated (e.g. how MoE experts were run)."""
 
@@ -156,6 +162,9 @@ def _tracker(blocks: nn.ModuleList | None = None, modules: list[nn.Module] | Non
             self.ungraded_segments: list[int] = [0]  # … before any gradient exists
             self.graded_segments: list[int] = [0]  # … once one does
             self.module_events: list[tuple[str, int]] = []  # (forward_pre | … | backward_post, module index)
+            # (module events so far, stretch) -> the activations' high-water mark between two module events: what
+            # is live beside the parameters ZeRO-3 holds gathered from one event to the next (:func:`_zero3_joint`)
+            self.interval_marks: dict[tuple[int, int], int] = {}
 
         def _note(self, kind: str, module: nn.Module) -> None:
             index = module_index.get(id(module))
@@ -194,6 +203,8 @@ def _tracker(blocks: nn.ModuleList | None = None, modules: list[nn.Module] | Non
                 self.ungraded_segments.append(0)
                 self.graded_segments.append(0)
             self.working_segments[segment] = max(self.working_segments[segment], working)
+            interval = (len(self.module_events), segment)
+            self.interval_marks[interval] = max(self.interval_marks.get(interval, 0), working)
             grads = kinds.get("Gradient", 0)
             split = self.graded_segments if grads else self.ungraded_segments
             split[segment] = max(split[segment], working)
@@ -316,7 +327,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
         return _failure(err)
     params = [p for p in model.parameters() if p.requires_grad]
     own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
-    gathered, gathered_turn = _zero3_gathered(model, modules, tracker.module_events, model_spec)
+    gathered, gathered_turn, zero3_joint = _zero3_gathered(model, modules, tracker, model_spec)
     return TraceResult(parameters=sum(p.numel() for p in params), largest_module_parameters=max(own, default=0),
                        activation_peak_bytes=tracker.working_peak, peak_phase=tracker.working_phase,
                        stored_bytes=stored, blocks_stored_bytes=blocks_stored,
@@ -325,7 +336,8 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                        working_segments=tuple(tracker.working_segments),
                        ungraded_segments=tuple(tracker.ungraded_segments),
                        graded_segments=tuple(tracker.graded_segments), notes=tuple(notes),
-                       zero3_gathered_elements=gathered, zero3_gathered_after_forward=gathered_turn)
+                       zero3_gathered_elements=gathered, zero3_gathered_after_forward=gathered_turn,
+                       zero3_joint_segments=zero3_joint)
 
 
 def _reference_model(model_spec: dict[str, Any], sequence_length: int) -> nn.Module | None:
@@ -346,21 +358,44 @@ def _reference_model(model_spec: dict[str, Any], sequence_length: int) -> nn.Mod
     return freeze_all(model)
 
 
-def _zero3_gathered(model: nn.Module, modules: list[nn.Module], events: list[tuple[str, int]],
-                    model_spec: dict[str, Any]) -> tuple[int, int]:
+def _zero3_gathered(model: nn.Module, modules: list[nn.Module], tracker: Any,
+                    model_spec: dict[str, Any]) -> tuple[int, int, tuple[tuple[int, int], ...]]:
     """(most, after forward) parameter elements ZeRO-3 keeps gathered over this traced step, with the sizes
-    dsopt sets for the model (:mod:`optimizer.deepspeed.zero3_gather`)."""
+    dsopt sets for the model (:mod:`optimizer.deepspeed.zero3_gather`), and the joint peak of the activations and
+    the gathered bytes per stretch (:attr:`TraceResult.zero3_joint_segments`)."""
     if not model_spec.get("hidden_size"):
-        return 0, 0  # the sizes dsopt sets come from the width
+        return 0, 0, ()  # the sizes dsopt sets come from the width
+    events = tracker.module_events
     index = {id(p): i for i, p in enumerate(model.parameters())}
     module_params = [[index[id(p)] for p in m.parameters(recurse=False) if id(p) in index] for m in modules]
     quantization = model_spec.get("quantization") or {}
     storage = STORAGE_BYTES[quantization.get("bnb_4bit_quant_storage", "uint8")]
     # a 4-bit weight is gathered as its packed storage elements (optimizer.ledger.transformer.held_tensors)
-    numel = [packed_elements(p.numel(), storage_bytes=storage) if is_four_bit(p) else p.numel()
-             for p in model.parameters()]
-    return gathered(events=events, module_params=module_params, param_numel=numel,
-                    settings=gather_settings(int(model_spec["hidden_size"])))
+    params = list(model.parameters())
+    numel = [packed_elements(p.numel(), storage_bytes=storage) if is_four_bit(p) else p.numel() for p in params]
+    weights = [n * (storage if is_four_bit(p) else p.element_size()) for n, p in zip(numel, params, strict=True)]
+    frozen = [i for i, p in enumerate(params) if not p.requires_grad]  # a recomputation holds these (zero3_gather)
+    settings = gather_settings(int(model_spec["hidden_size"]))
+    most, turn = gathered(events=events, module_params=module_params, param_numel=numel, settings=settings,
+                          frozen=frozen)
+    # the first prefetching step gathers the persistent parameters too (zero3_gather): the larger of it and a later one
+    kwargs = {"events": events, "module_params": module_params, "param_numel": numel, "settings": settings,
+              "weights": weights, "frozen": frozen, "buffers": True}
+    held = [max(a, b) for a, b in zip(replay(**kwargs), replay(**kwargs, first_step=True), strict=True)]
+    return most, turn, _zero3_joint(held, tracker.interval_marks, len(tracker.segments))
+
+
+def _zero3_joint(held: list[int], marks: dict[tuple[int, int], int],
+                 stretches: int) -> tuple[tuple[int, int], ...]:
+    """Per stretch, (activations, gathered bytes) where their sum peaked: ``held[i]`` is gathered from module event
+    ``i`` to the next (DeepSpeed fetches at a module's pre-hook, before its ops, and releases at its post-hook,
+    after them), ``marks[(i + 1, stretch)]`` the activations' high-water mark then."""
+    out = [(0, 0)] * stretches
+    for (interval, stretch), working in marks.items():
+        gathered_now = held[interval - 1] if interval else 0
+        if working + gathered_now > sum(out[stretch]):
+            out[stretch] = (working, gathered_now)
+    return tuple(out)
 
 
 TRANSIENT_ERRORS = (MemoryError, OSError, TimeoutError)

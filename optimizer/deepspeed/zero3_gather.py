@@ -19,14 +19,33 @@ of 156,736, 157,504 of 247,872 and 253,248 of 430,144 parameters were gathered w
 largest module twice + one prefetch bucket" says 69,000. :func:`replay` replays those rules over a
 traced module order (:mod:`launchers.trace.tracer`): the most non-persistent elements gathered at once.
 
-Not replayed: the first step (no trace yet: everything is released at once, so less is gathered), NVMe
-prefetch, leaf modules (``z3_leaf_module``), recomputation's extra parameters.
+A checkpointed block's recomputation (a forward inside backward) is replayed as DeepSpeed 0.19.8 holds it: each
+*frozen* parameter it fetches is attributed to the module whose backward is newest (``__active_backward_submodules``,
+filled at each backward fetch, ``:340-341``; ``update_recompute_parameters`` ``:37-40``, called at ``:389-393``)
+and stays gathered until that module's backward ends (``release_sub_module`` ``:501-504, 517-525``;
+``__release_param`` keeps a parameter some module still holds, ``:625``): with LoRA or a frozen base and full
+checkpointing, the whole recomputed block's frozen weights are gathered at once while it runs.
+
+A prefetch of more than one parameter is one coalesced all-gather (``partition_parameters.py:1598-1600``): a flat
+buffer, from which each parameter gets its own copy when the first of them is waited for (``:781-796``, the
+``torch.cat``); the handle keeps the buffer (``self.partitions``, ``:750``) and the in-flight registry keeps the
+handle for every parameter of the bucket until that parameter's own module fetches it (coordinator ``:398-406,
+613``). So
+from the first wait until the last member is fetched the bucket is held twice: ``buffers`` adds those flat
+buffers. In the first step that prefetches, the persistent parameters arrive partitioned (the step that records
+the trace releases every parameter after use, persistent ones included, ``:498-499``) and are fetched with the
+rest, so they join buckets and make more of them coalesced; later steps find them gathered: ``first_step``
+replays the former. Both checked event by event against real DeepSpeed on 2 CPU ranks
+(``tests/real/deepspeed/test_zero3_recompute_real.py``).
+
+Not replayed: the step that records the trace (everything is released after use, so less is gathered), NVMe
+prefetch, leaf modules (``z3_leaf_module``).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 PRE = ("forward_pre", "backward_pre")
@@ -46,11 +65,20 @@ class GatherSettings:
 
 
 def replay(*, events: Sequence[tuple[str, int]], module_params: Sequence[Sequence[int]],
-           param_numel: Sequence[int], settings: GatherSettings) -> list[int]:
+           param_numel: Sequence[int], settings: GatherSettings,
+           weights: Sequence[int] | None = None, frozen: Collection[int] = (),
+           buffers: bool = False, first_step: bool = False) -> list[int]:
     """Non-persistent parameter elements gathered after each of ``events`` over one traced step.
 
     ``events``: (kind, module index) in the order the step ran them, kind one of :data:`PRE` or :data:`POST`;
-    ``module_params[m]``: the parameter indices module ``m`` owns directly; ``param_numel[p]``: elements."""
+    ``module_params[m]``: the parameter indices module ``m`` owns directly; ``param_numel[p]``: elements (what the
+    coordinator's sizes count). ``weights[p]``: what each gathered parameter adds to the result instead of its
+    elements (its bytes, in its own dtype: the result is then the bytes gathered); the rules still count elements.
+    ``frozen``: the parameters that do not train, which a checkpointed block's recomputation holds (module doc).
+    ``buffers``: add the coalesced prefetch buckets' flat buffers that outlive their wait (module doc).
+    ``first_step``: the first step that prefetches, whose persistent parameters arrive partitioned (module doc)."""
+    weight = param_numel if weights is None else weights
+    frozen = set(frozen)
     persistent = {p for p, n in enumerate(param_numel) if n <= settings.persistence_threshold}
     order = [m for kind, m in events if kind in PRE]
     queue: deque[tuple[int, int]] = deque((p, step) for step, m in enumerate(order)
@@ -58,19 +86,43 @@ def replay(*, events: Sequence[tuple[str, int]], module_params: Sequence[Sequenc
     mark: dict[int, int] = {}
     available: set[int] = set()
     n_available = 0
+    weighed = 0
     step = 0
     after: list[int] = []
+    active: dict[int, None] = {}  # modules in backward, in the order it began (__active_backward_submodules)
+    holders: dict[int, set[int]] = {}  # a frozen parameter fetched in a recomputation -> the modules holding it
+    recomputed: dict[int, set[int]] = {}  # a module in backward -> the frozen parameters its recomputation fetched
+    bucket_of: dict[int, int] = {}  # a prefetched parameter still in the in-flight registry -> its bucket
+    members: dict[int, set[int]] = {}  # a bucket -> its parameters still in the registry
+    flat: dict[int, int] = {}  # a bucket whose wait has run -> its flat buffer, kept while a member is registered
+    buckets: list[frozenset[int]] = []
+    resident: set[int] = set() if first_step else set(persistent)  # persistent parameters gathered by now
 
     def gather(params: set[int]) -> None:
-        nonlocal n_available
+        nonlocal n_available, weighed
         for p in params - available - persistent:
             available.add(p)
             n_available += param_numel[p]
+            weighed += weight[p]
 
     for kind, m in events:
         own = set(module_params[m])
+        if kind == "backward_pre":
+            active.setdefault(m)
         if kind in PRE:
             gather(own)
+            resident |= own & persistent
+            for p in own & bucket_of.keys():  # popped from the registry and waited (coordinator :398-406)
+                bucket = bucket_of.pop(p)
+                members[bucket].discard(p)
+                flat[bucket] = sum(weight[q] for q in buckets[bucket])
+                if not members[bucket]:
+                    del members[bucket], flat[bucket]
+            if kind == "forward_pre" and active:  # a forward inside backward: a checkpointed block recomputed
+                owner = next(reversed(active))
+                for p in own & frozen:
+                    holders.setdefault(p, set()).add(owner)
+                    recomputed.setdefault(owner, set()).add(p)
             not_fetched = {p for p in own if mark.get(p, -1) < step}
             popped: set[int] = set()
             while queue and len(popped) < len(not_fetched):
@@ -83,10 +135,19 @@ def replay(*, events: Sequence[tuple[str, int]], module_params: Sequence[Sequenc
             while queue and numel < budget:
                 p, used = queue.popleft()
                 mark[p] = max(mark.get(p, -1), used)
-                if p not in available and p not in persistent and p not in prefetch:
+                if p in persistent and p not in resident:  # fetched once, never released (counted as K)
+                    resident.add(p)
                     prefetch.add(p)
                     numel += param_numel[p]
-            gather(prefetch)
+                elif p not in available and p not in persistent and p not in prefetch:
+                    prefetch.add(p)
+                    numel += param_numel[p]
+            gather(prefetch - persistent)
+            if len(prefetch) > 1:  # one coalesced all-gather: a flat buffer (partition_parameters.py:1598-1600)
+                bucket = len(buckets)
+                buckets.append(frozenset(prefetch))
+                members[bucket] = set(prefetch)
+                bucket_of.update(dict.fromkeys(prefetch, bucket))
             step += 1
         else:
             release = {p for p in own - persistent if mark.get(p, -1) <= step}
@@ -97,16 +158,24 @@ def replay(*, events: Sequence[tuple[str, int]], module_params: Sequence[Sequenc
                 for p in module_params[later]:
                     release.discard(p)
                     traversed += param_numel[p]
+            if kind == "backward_post":
+                active.pop(m, None)
+                for p in recomputed.pop(m, set()):
+                    holders[p].discard(m)
+                    release.add(p)
+            release = {p for p in release if not holders.get(p)}
             for p in release & available:
                 available.discard(p)
                 n_available -= param_numel[p]
-        after.append(n_available)
+                weighed -= weight[p]
+        after.append(weighed + (sum(flat.values()) if buffers else 0))
     return after
 
 
 def gathered(*, events: Sequence[tuple[str, int]], module_params: Sequence[Sequence[int]],
-             param_numel: Sequence[int], settings: GatherSettings) -> tuple[int, int]:
+             param_numel: Sequence[int], settings: GatherSettings, frozen: Collection[int] = ()) -> tuple[int, int]:
     """(the most gathered at once, what is gathered when forward ends) over the step (:func:`replay`)."""
-    after = replay(events=events, module_params=module_params, param_numel=param_numel, settings=settings)
+    after = replay(events=events, module_params=module_params, param_numel=param_numel, settings=settings,
+                   frozen=frozen)
     cut = next((i for i, (kind, _) in enumerate(events) if kind.startswith("backward")), len(events))
     return max(after, default=0), after[cut - 1] if cut else 0

@@ -36,7 +36,8 @@ def joint_trace(model: TransformerModel, candidate: Candidate) -> TracedActivati
 
 
 def activation_items(*, model: TransformerModel, candidate: Candidate, sequence_length: int,
-                     element_bytes: int, joined: bool = False, split: bool = False) -> list[LedgerItem]:
+                     element_bytes: int, joined: bool = False, split: bool = False,
+                     zero3_joint: bool = False) -> list[LedgerItem]:
     """The activation lines, each saying where its figure came from.
 
     * ``activations: trace``/``auto`` with a traced entry: one line, the traced high-water mark of
@@ -47,6 +48,8 @@ def activation_items(*, model: TransformerModel, candidate: Candidate, sequence_
       then, and those gradients.
     * ``split`` (the caller's gradient storage appears at the first gradient, ZeRO-2): two lines, the traced
       high-water mark before autograd made any gradient (phase ``forward``) and after (``backward``).
+    * ``zero3_joint`` (the caller counts ZeRO-3's gathered parameters at one traced moment): the activations at the
+      moment they and the gathered parameters together peaked (:meth:`TracedActivation.zero3_joint_at`).
     * otherwise the formula's two lines (kept for backward, + one recomputed block); when the trace failed,
       the source says at which op, and an ``auto`` study not traced says so.
     """
@@ -60,7 +63,11 @@ def activation_items(*, model: TransformerModel, candidate: Candidate, sequence_
         joint = traced.joint_at(b) if joined else None
         halves = traced.split_at(b) if split else None
         ckpt = candidate.checkpointing
-        if joint is not None:
+        zero3 = traced.zero3_joint_at(b) if zero3_joint else None
+        if zero3 is not None:
+            lines = [(f"activations where they and ZeRO-3's gathered parameters peak ({ckpt})", Category.ACTIVATIONS,
+                      zero3[0], Phase.BACKWARD)]
+        elif joint is not None:
             lines = [(f"activations where activations + gradients peak ({ckpt})", Category.ACTIVATIONS, joint[0],
                       Phase.BACKWARD),
                      ("gradients made by that moment of backward", Category.GRADS, joint[1], Phase.BACKWARD)]

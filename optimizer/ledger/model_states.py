@@ -53,7 +53,7 @@ from optimizer.ledger.state_sizes import (
     _sizes,
 )
 from optimizer.ledger.transformer import largest_tensor_parameters
-from optimizer.ledger.zero3_states import _stage3
+from optimizer.ledger.zero3_states import _stage3, gathers
 from optimizer.study.knobs import Candidate, OffloadDevice, Precision, ZeroStage
 from optimizer.study.specs import Accelerator, HardwareSpec, TrainingSpec, TransformerModel
 
@@ -217,12 +217,16 @@ def transformer_items(
     joined = stage in (ZeroStage.DISABLED, ZeroStage.OPTIMIZER) and z.gas == 1 \
         and joint_trace(model, candidate) is not None
     traced = usable_trace(model, candidate)
+    # ZeRO-3: where the trace says when parameters are gathered and what is live then, one moment holds both
+    zero3_joint = traced.zero3_joint_at(candidate.micro_batch_size) \
+        if stage is ZeroStage.PARAMETERS and traced is not None and gathers(z, candidate) else None
     split = stage is ZeroStage.GRADIENTS and traced is not None and bool(traced.split_points)
     if stage is ZeroStage.DISABLED:
         items = _stage0(z, candidate.precision, joined=joined,  # one rank all-reduces too (engine.py:3153-3165)
                         gloo=hardware.accelerator is Accelerator.CPU)
     elif stage is ZeroStage.PARAMETERS:
         items = _stage3(z, candidate, settings, replayed=traced.zero3_gathered if traced is not None else 0,
+                        joint_bytes=zero3_joint[1] if zero3_joint is not None else None,
                         device_is_host=hardware.accelerator is Accelerator.CPU)
     else:
         items = _stage12(z, candidate, settings, joined=joined, split=split,
@@ -233,7 +237,8 @@ def transformer_items(
         items += dequantized_items(model, candidate, split=split)
     items += reference_items(z, candidate, settings, model)
     items += activation_items(model=model, candidate=candidate, sequence_length=training.sequence_length,
-                              element_bytes=z.g, joined=joined, split=split)
+                              element_bytes=z.g, joined=joined, split=split,
+                              zero3_joint=zero3_joint is not None)
     moments = init_moments(candidate=candidate, construction=training.construction(stage), psi=z.psi,
                            padded=z.padded, p=z.p, q=z.q, s=z.s, largest_tensor=z.largest_tensor,
                            largest_module=z.largest_module, tied=z.tied, bucket=z.bucket, trainable=z.trainable,

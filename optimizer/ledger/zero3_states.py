@@ -25,12 +25,21 @@ from optimizer.ledger.state_sizes import (
 from optimizer.study.knobs import Candidate, OffloadDevice
 
 
+def gathers(z: _Sizes, candidate: Candidate) -> bool:
+    """Whether ZeRO-3 gathers parameters into new device memory: not on one rank with the partition on the device,
+    where a gathered parameter is a view of its partition (``partition_parameters.py:61-75, 1559-1560``)."""
+    return z.n > 1 or candidate.offload_param is not OffloadDevice.NONE
+
+
 def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, replayed: int,
-            device_is_host: bool) -> list[LedgerItem]:
+            device_is_host: bool, joint_bytes: int | None = None) -> list[LedgerItem]:
     """ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``) with optimizer and/or parameter offload. ``replayed``: the
     parameter elements the traced replay of DeepSpeed's coordinator keeps gathered at once (0: not traced,
-    the largest module twice + one prefetch bucket + the reuse window instead). ``device_is_host`` (CPU ranks):
-    moving a host gradient partition "to the device" makes no copy."""
+    the largest module twice + one prefetch bucket + the reuse window instead). ``joint_bytes``: what the replay
+    holds gathered, in bytes, at the traced moment the activations and the gathered parameters together peak
+    (:meth:`optimizer.study.traced_activation.TracedActivation.zero3_joint_at`; the activation lines then are that
+    moment's too). ``device_is_host`` (CPU ranks): moving a host gradient partition "to the device" makes no
+    copy."""
     g, q, qt, qsym = z.g, z.q, z.q_trainable, z.q_tr
     prec = candidate.precision
     opt = candidate.offload_optimizer
@@ -52,12 +61,23 @@ def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, replayed
                        Category.PARAMS, _place(param), g * q, f"{g}Q", f"{STAGE3}:906-907, 970-973")]
     items.append(_item(f"persistent parameters (≤ {settings.param_persistence_threshold:,} elements each)",
                        Category.PARAMS, Location.GPU, g * z.k, f"{g}K", f"{DS} parameter_offload.py:317-330"))
-    if z.n == 1 and param is OffloadDevice.NONE:
+    if not gathers(z, candidate):
         # One rank: "gathering" points each parameter at its device partition, a view (NoGatherHandle,
         # partition_parameters.py:61-75, taken at :1559-1560 when every partition's world size is 1).
         items += [
             _item("parameters gathered (one rank: views of the partition, no copy)", Category.BUFFERS, Location.GPU,
                   0, "0", f"{DS} partition_parameters.py:61-75, 1559-1560", Phase.BACKWARD),
+            _grad_of_module(z)]
+    elif joint_bytes is not None:
+        # The replay's gathered parameters at the moment they and the activations together peak: with full
+        # checkpointing the gathers peak at the turn to backward, the activations while a block is recomputed.
+        cap = g * (settings.max_live_parameters + z.largest_module)
+        items += [
+            _item("parameters gathered where they and the activations together peak (the coordinator replayed "
+                  "over the traced step)", Category.BUFFERS, Location.GPU, min(joint_bytes, cap),
+                  "traced: each tensor in its own dtype",
+                  f"{DS} partitioned_param_coordinator.py:420-476, 634-665 (optimizer/deepspeed/zero3_gather.py)",
+                  Phase.BACKWARD),
             _grad_of_module(z)]
     elif replayed:
         # DeepSpeed's coordinator replayed over the traced module order: its prefetch marks keep parameters

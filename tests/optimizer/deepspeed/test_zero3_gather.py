@@ -58,3 +58,65 @@ def test_persistent_parameters_are_never_counted():
     numel = [100, 5, 100]  # b's tensor is under the persistence threshold (10)
     after = replay(events=EVENTS, module_params=MODULE_PARAMS, param_numel=numel, settings=_settings(0))
     assert after[3] == 0 and max(after) == 100
+
+
+# A checkpointed container r(a, b, c) recomputed in backward: the recomputation runs after the backward of r and of
+# c began (c's backward needs the recomputed activations). a owns 0, b owns 1, c owns 2 (100 elements each).
+RECOMPUTE_EVENTS = [("forward_pre", 0), ("forward_pre", 1), ("forward_post", 1), ("forward_pre", 2),
+                    ("forward_post", 2), ("forward_pre", 3), ("forward_post", 3), ("forward_post", 0),
+                    ("backward_pre", 0), ("backward_pre", 3),
+                    ("forward_pre", 1), ("forward_post", 1), ("forward_pre", 2), ("forward_post", 2),
+                    ("forward_pre", 3), ("forward_post", 3),
+                    ("backward_post", 3), ("backward_pre", 2), ("backward_post", 2), ("backward_pre", 1),
+                    ("backward_post", 1), ("backward_post", 0)]
+
+
+def test_a_recomputation_holds_its_frozen_parameters_until_the_newest_backward_module_ends():
+    # DeepSpeed 0.19.8 (partitioned_param_coordinator.py:37-40, 389-393, 501-504, 517-525): a frozen parameter
+    # fetched in a forward inside backward is attributed to the module whose backward began last (c here) and kept
+    # until c's backward ends; a trainable one is released after its module runs, as in forward.
+    # Prefetch 0. Index 9: c gathered for its backward (100). 10: a recomputed, frozen, held by c (200); 11 kept;
+    # 12: b (300); 13: b trains, released (200); 14-15: c, held by itself (200); 16: c's backward ends, a and c go.
+    after = replay(events=RECOMPUTE_EVENTS, module_params=MODULE_PARAMS, param_numel=NUMEL, settings=_settings(0),
+                   frozen={0, 2})
+    assert after[:10] == [0, 100, 0, 100, 0, 100, 0, 0, 0, 100]
+    assert after[10:17] == [200, 200, 300, 200, 200, 200, 0]
+    assert after[17:] == [100, 0, 100, 0, 0]
+
+
+def test_without_frozen_parameters_a_recomputation_releases_as_forward_does():
+    after = replay(events=RECOMPUTE_EVENTS, module_params=MODULE_PARAMS, param_numel=NUMEL, settings=_settings(0))
+    assert after[10:17] == [200, 100, 200, 100, 100, 0, 0]
+
+
+def test_weights_count_the_gathered_parameters_in_their_own_bytes():
+    # a's tensor in fp32 (4 bytes), b's and c's in bf16 (2): the same moments, weighed in bytes
+    after = replay(events=EVENTS, module_params=MODULE_PARAMS, param_numel=NUMEL, settings=_settings(50),
+                   weights=[400, 200, 200])
+    assert after == [400, 600, 200, 400, 200, 400, 400, 400, 800, 800, 600, 600, 400, 400, 0, 0]
+
+
+# r(a(), b()): a owns 0, b owns 1.
+PAIR_EVENTS = [("forward_pre", 0), ("forward_pre", 1), ("forward_post", 1), ("forward_pre", 2), ("forward_post", 2),
+               ("forward_post", 0)]
+PAIR_PARAMS = [[], [0], [1]]
+
+
+def test_a_coalesced_prefetch_bucket_is_held_twice_from_its_first_wait_until_its_last_member_is_fetched():
+    # Prefetch 150: at r, a (100) and b (100) are popped into one all-gather (two parameters: coalesced, a flat
+    # buffer). At a's fetch the bucket is waited (each parameter gets its copy) and a leaves the registry; b stays
+    # registered, so the flat buffer (200) is kept until b's own fetch.
+    kwargs = {"events": PAIR_EVENTS, "module_params": PAIR_PARAMS, "param_numel": [100, 100],
+              "settings": _settings(150)}
+    assert replay(**kwargs) == [200, 200, 100, 100, 0, 0]
+    assert replay(**kwargs, buffers=True) == [200, 400, 300, 100, 0, 0]
+
+
+def test_in_the_first_prefetching_step_a_persistent_parameter_joins_a_bucket():
+    # a owns a persistent tensor (5 elements, threshold 10). Later steps find it gathered: at r the prefetch pops it
+    # without fetching and b's weight alone (one parameter: no flat buffer). In the first step it arrives partitioned,
+    # so r's prefetch fetches it with b's weight — a bucket of two, waited at a's fetch and kept until b's (105).
+    kwargs = {"events": PAIR_EVENTS, "module_params": PAIR_PARAMS, "param_numel": [5, 100],
+              "settings": _settings(50), "buffers": True}
+    assert replay(**kwargs) == [100, 100, 100, 100, 0, 0]
+    assert replay(**kwargs, first_step=True) == [100, 205, 205, 100, 0, 0]
