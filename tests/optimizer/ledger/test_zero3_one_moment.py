@@ -1,0 +1,72 @@
+"""ZeRO-3's gathered parameters and the activations taken at one traced moment (optimizer/ledger/zero3_states.py,
+optimizer/ledger/activations.py): where the trace carries the pair whose sum peaked
+(:attr:`TracedActivation.zero3_joint_points`), the ledger books that pair — not the most ever gathered beside the
+activations' high-water mark — and only where ZeRO-3 gathers into new memory (one rank with the partition on the
+device gathers views). The trace's figures are stated, not traced: the rule is under test here; the replay and
+the trace are checked in tests/optimizer/deepspeed/test_zero3_gather.py and tests/launchers/trace/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from optimizer.ledger.core import compute_ledger
+from optimizer.ledger.items import Category, Location, Phase
+from optimizer.study.knobs import Precision, with_knobs
+from optimizer.study.specs import ActivationSource, baseline_candidate
+from optimizer.study.study_file import load_study
+from optimizer.study.traced_activation import TracedActivation
+
+ROOT = Path(__file__).resolve().parents[3]
+PEAK = {2: 900_000, 4: 1_700_000}  # stated: the activations' high-water mark per micro-batch
+MOST = 30_000  # the most elements ever gathered at once (fp32: 120,000 bytes)
+JOINT = {2: (850_000, 40_000), 4: (1_600_000, 48_000)}  # (activations, gathered bytes) where their sum peaked
+
+
+def _study(*, joint: bool = True, gpus: int = 2):
+    study = load_study(ROOT / "studies" / "grid-cpu.yaml")
+    entry = TracedActivation(checkpointing="full", precision=Precision.FP32, points=tuple(PEAK.items()),
+                             zero3_gathered=MOST,
+                             zero3_joint_points=tuple((b, *JOINT[b]) for b in JOINT) if joint else ())
+    model = dataclasses.replace(study.model, activations=ActivationSource.TRACE, traced_activations=(entry,))
+    hardware = dataclasses.replace(study.hardware, gpus_per_node=gpus)
+    training = dataclasses.replace(study.training, global_batch_size=4 * gpus)
+    return dataclasses.replace(study, model=model, hardware=hardware, training=training)
+
+
+def _lines(study, micro_batch: int) -> dict[str, int]:
+    candidate = with_knobs(baseline_candidate(study.training), {"zero_stage": 3, "checkpointing": "full",
+                                                                 "micro_batch_size": micro_batch})
+    ledger = compute_ledger(candidate=candidate, model=study.model, hardware=study.hardware, training=study.training)
+    return {i.name: i.bytes for i in ledger.items if i.location is Location.GPU and i.phase is Phase.BACKWARD
+            and (i.category is Category.ACTIVATIONS or "gathered" in i.name)}
+
+
+@pytest.mark.parametrize("micro_batch", [2, 4])
+def test_the_gathered_parameters_and_the_activations_are_booked_at_the_moment_their_sum_peaked(micro_batch):
+    activations, gathered = JOINT[micro_batch]
+    assert _lines(_study(), micro_batch) == {
+        "parameters gathered where they and the activations together peak (the coordinator replayed over the "
+        "traced step)": gathered,
+        "activations where they and ZeRO-3's gathered parameters peak (full)": activations}
+
+
+def test_between_traced_micro_batches_the_pair_is_joined_as_the_activations_are():
+    entry = _study().model.traced_activations[0]
+    assert entry.zero3_joint_at(3) == (1_225_000, 44_000)
+    assert entry.zero3_joint_at(2) == JOINT[2]
+
+
+def test_without_the_pair_the_most_gathered_is_added_to_the_high_water_mark():
+    assert _lines(_study(joint=False), 2) == {
+        "parameters gathered at once (the coordinator replayed over the traced module order)": 4 * MOST,
+        "activations, traced high-water mark (full, backward)": PEAK[2]}
+
+
+def test_one_rank_gathers_views_so_the_high_water_mark_stands_alone():
+    lines = _lines(_study(gpus=1), 2)
+    assert lines == {"parameters gathered (one rank: views of the partition, no copy)": 0,
+                     "activations, traced high-water mark (full, backward)": PEAK[2]}
