@@ -205,8 +205,9 @@ def traced_activation(*, cache: TraceCache | None, model_spec: dict[str, Any], c
                        max(result["graded_segments"], default=0)))
         phase, notes = result["peak_phase"], tuple(result["notes"])
         zero3 = max(zero3, result["zero3_gathered_elements"])
-        if result["zero3_joint_segments"]:
-            zero3_joints.append((micro_batch, *_joint_peak(result["zero3_joint_segments"])))
+        if result["zero3_joint_segments"]:  # (activations, gathered + buffered) where their sum peaked
+            working, *held = max(result["zero3_joint_segments"], key=sum)
+            zero3_joints.append((micro_batch, int(working), int(sum(held))))
     return TracedActivation(checkpointing=checkpointing, precision=precision, points=tuple(points), peak_phase=phase,
                             joint_points=tuple(joints), split_points=tuple(splits), notes=notes,
                             zero3_gathered=zero3,

@@ -88,8 +88,13 @@ def extrapolate(shallow: Any, deeper: Any, *, depths: tuple[int, int], layers: i
         "working_segments": tuple(marks), "activation_peak_bytes": max(marks), **split,
         "peak_phase": "forward" if marks[0] == max(marks) else "backward"}
     if shallow.zero3_joint_segments and deeper.zero3_joint_segments:
-        out["zero3_joint_segments"] = _segments(shallow.zero3_joint_segments, deeper.zero3_joint_segments,
-                                                depths=depths, line=line)
+        # activations and gathered parameters extended as the rest; the coalesced buffers (a few prefetch buckets,
+        # bounded by the bucket size, not the depth) are the deeper copy's
+        pairs = _segments(tuple(s[:2] for s in shallow.zero3_joint_segments),
+                          tuple(s[:2] for s in deeper.zero3_joint_segments), depths=depths, line=line)
+        kept = _segments(tuple(s[2:] for s in shallow.zero3_joint_segments),
+                         tuple(s[2:] for s in deeper.zero3_joint_segments), depths=depths, line=lambda _, b: b)
+        out["zero3_joint_segments"] = tuple((*pair, *buffers) for pair, buffers in zip(pairs, kept, strict=True))
     for field in dataclasses.fields(deeper):
         a, b = getattr(shallow, field.name), getattr(deeper, field.name)
         if field.name in out:

@@ -89,12 +89,13 @@ class TraceResult:
     replayed over the traced module order (:mod:`optimizer.deepspeed.zero3_gather`)."""
     zero3_gathered_after_forward: int = 0
     """Of those, what is gathered when forward ends."""
-    zero3_joint_segments: tuple[tuple[int, int], ...] = ()
-    """(activations + temporaries, bytes of parameters ZeRO-3 holds gathered — each in its own dtype, with the
+    zero3_joint_segments: tuple[tuple[int, int, int], ...] = ()
+    """(activations + temporaries, bytes of parameters ZeRO-3 holds gathered — each in its own dtype —, bytes of the
     coalesced prefetch buffers that outlive their wait) where their sum peaked, per stretch as ``joint_segments``:
     the coordinator replayed over the traced module order gives what is gathered between two module events, the
     trace what is live then. With full checkpointing the two peak apart (the gathers at the turn to backward, the
-    activations while a block is recomputed), so this is less than their maxima added."""
+    activations while a block is recomputed), so this is less than their maxima added. The buffers are kept apart:
+    a few prefetch buckets, they do not grow with the depth (:func:`launchers.trace.trace_depth.extrapolate`)."""
     notes: tuple[str, ...] = ()
     """What the trace assumed, stated (e.g. how MoE experts were run)."""
 
@@ -378,23 +379,27 @@ def _zero3_gathered(model: nn.Module, modules: list[nn.Module], tracker: Any,
     settings = gather_settings(int(model_spec["hidden_size"]))
     most, turn = gathered(events=events, module_params=module_params, param_numel=numel, settings=settings,
                           frozen=frozen)
-    # the first prefetching step gathers the persistent parameters too (zero3_gather): the larger of it and a later one
+    # the coalesced buffers, in a later step or in the first prefetching one (it gathers the persistent tensors too,
+    # zero3_gather), whichever holds more: kept apart, since they do not grow with the depth as the rest does
     kwargs = {"events": events, "module_params": module_params, "param_numel": numel, "settings": settings,
-              "weights": weights, "frozen": frozen, "buffers": True}
-    held = [max(a, b) for a, b in zip(replay(**kwargs), replay(**kwargs, first_step=True), strict=True)]
-    return most, turn, _zero3_joint(held, tracker.interval_marks, len(tracker.segments))
+              "weights": weights, "frozen": frozen}
+    held = replay(**kwargs)
+    buffered = [max(a, b) - h for a, b, h in zip(replay(**kwargs, buffers=True),
+                                                 replay(**kwargs, buffers=True, first_step=True), held, strict=True)]
+    return most, turn, _zero3_joint(held, buffered, tracker.interval_marks, len(tracker.segments))
 
 
-def _zero3_joint(held: list[int], marks: dict[tuple[int, int], int],
-                 stretches: int) -> tuple[tuple[int, int], ...]:
-    """Per stretch, (activations, gathered bytes) where their sum peaked: ``held[i]`` is gathered from module event
-    ``i`` to the next (DeepSpeed fetches at a module's pre-hook, before its ops, and releases at its post-hook,
-    after them), ``marks[(i + 1, stretch)]`` the activations' high-water mark then."""
-    out = [(0, 0)] * stretches
+def _zero3_joint(held: list[int], buffered: list[int], marks: dict[tuple[int, int], int],
+                 stretches: int) -> tuple[tuple[int, int, int], ...]:
+    """Per stretch, (activations, gathered bytes, buffered bytes) where their sum peaked: ``held[i]`` and
+    ``buffered[i]`` are what is gathered from module event ``i`` to the next (DeepSpeed fetches at a module's
+    pre-hook, before its ops, and releases at its post-hook, after them), ``marks[(i + 1, stretch)]`` the
+    activations' high-water mark then."""
+    out = [(0, 0, 0)] * stretches
     for (interval, stretch), working in marks.items():
-        gathered_now = held[interval - 1] if interval else 0
-        if working + gathered_now > sum(out[stretch]):
-            out[stretch] = (working, gathered_now)
+        now = (working, held[interval - 1], buffered[interval - 1]) if interval else (working, 0, 0)
+        if sum(now) > sum(out[stretch]):
+            out[stretch] = now
     return tuple(out)
 
 

@@ -73,7 +73,7 @@ def test_the_extended_trace_equals_the_full_depth_trace(gpt, checkpointing, prec
             assert getattr(extended, name) == getattr(full, name), name
         assert joint_peak(extended.joint_segments) == joint_peak(full.joint_segments)
         # activations + ZeRO-3's gathered parameters at one moment, extended stretch by stretch as well
-        assert joint_peak(extended.zero3_joint_segments) == joint_peak(full.zero3_joint_segments)
+        assert max(map(sum, extended.zero3_joint_segments)) == max(map(sum, full.zero3_joint_segments))
         for name in ("ungraded_segments", "graded_segments"):  # ZeRO-2's split, extended stretch by stretch
             assert max(getattr(extended, name)) == max(getattr(full, name)), name
 
