@@ -33,9 +33,11 @@ def _study(folder: Path, name: str):
 
 
 @pytest.mark.parametrize(("name", "knobs", "bound"), [
-    # measured in the recorded grids: −1.4 %, −3.7 %, −0.0 %
+    # measured in the recorded grids: −1.4 %, −2.2 %, −0.0 % (ZeRO-3 without checkpointing: bf16 with full
+    # checkpointing at ZeRO-3 under-predicts by 2-5 % with or without a reference, −3.7 % here — docs/ledger.md,
+    # "Still off at ZeRO-3" — a gap of its own, not the reference's)
     ("grid-reference-llama-cpu", {"zero_stage": 1, "precision": "bf16", "checkpointing": "full"}, 0.02),
-    ("grid-reference-llama-cpu", {"zero_stage": 3, "precision": "bf16", "checkpointing": "full"}, 0.04),
+    ("grid-reference-llama-cpu", {"zero_stage": 3, "precision": "bf16"}, 0.04),
     ("grid-reference-lora-llama-cpu", {"zero_stage": 0, "precision": "fp32"}, 0.01),
 ])
 def test_a_run_with_a_reference_meets_the_ledger(tmp_path, name, knobs, bound):
