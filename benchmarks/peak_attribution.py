@@ -38,6 +38,7 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
                         help=f"a knob (repeatable): {', '.join(KNOB_NAMES)}; others take the baseline")
     parser.add_argument("--top", type=int, default=20, help="allocation sites printed per rank")
+    parser.add_argument("--frames", type=int, default=6, help="frames of each site's stack kept (innermost first)")
     args = parser.parse_args()
     study = with_traced_activations(load_study(Path(args.study)))
     knobs = {name: parse_knob(name, value) for name, _, value in (pair.partition("=") for pair in args.set)}
@@ -52,6 +53,7 @@ def main() -> int:
         (out / "plan.json").write_text(json.dumps(rank_plan(study=study, candidate=candidate)))
         torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
         env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(extensions_dir()),
+                   DSOPT_ATTRIBUTION_FRAMES=str(args.frames),
                    PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(args.study).resolve().parent)]))
         argv = [torchrun, "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1", "--master_port",
                 str(free_port()), "-m", "launchers.rank.peak_attribution", str(out / "plan.json"), str(out)]
@@ -63,9 +65,9 @@ def main() -> int:
         for rank in range(ranks):
             report = json.loads((out / f"attribution.rank{rank}.json").read_text())
             print(f"\nrank {rank}: training peak {report['peak_bytes']:,} (paired live {report['paired_live_bytes']:,})"
-                  f" during {report['at'][:150]}")
+                  f" during {report['at'][:150 * args.frames // 6]}")
             for size, count, site in report["groups"][:args.top]:
-                print(f"  {size:>12,} {count:>4}× {site[:170]}")
+                print(f"  {size:>12,} {count:>4}× {site[:170 * args.frames // 6]}")
     ledger = verdict.ledger
     print(f"\nledger: peak phase {ledger.peak_phase}, per-rank training peak {ledger.training_bytes:,}")
     for item in ledger.items:

@@ -25,8 +25,8 @@ from torch._C._profiler import _EventType
 import launchers.rank.cpu_memory as cpu_memory
 import launchers.rank.trial_rank as trial_rank
 
-FRAMES = 6
-"""Frames of the allocation's stack kept per group (innermost first)."""
+FRAMES = int(os.environ.get("DSOPT_ATTRIBUTION_FRAMES", "6"))
+"""Frames of the allocation's stack kept per group (innermost first); benchmarks/peak_attribution.py --frames."""
 KEPT_FRAMES = ("deepspeed/", "launchers/", "torch/nn/", "torch/autograd/", "torch/utils/checkpoint", "transformers/")
 """Python frames worth naming; the rest (the interpreter's own, the profiler's) are skipped."""
 

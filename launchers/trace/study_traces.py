@@ -39,7 +39,8 @@ TRACE_CODE = ("launchers.trace.tracer", "launchers.trace.trace_depth", "launcher
               "launchers.models.four_bit", "launchers.models.blocks",
               "launchers.models.construction", "launchers.models.hf_model", "launchers.models.fake_kernels",
               "optimizer.deepspeed.zero3_gather", "optimizer.deepspeed.zero_settings", "launchers.models.trainable",
-              "launchers.models.zero3_linear", "launchers.models.reference")
+              "launchers.models.zero3_linear", "launchers.models.reference",
+              "launchers.trace.zero3_events")
 """dsopt's modules that make a whole-model trace (the tracer, the depth extension, the models it builds, the
 ZeRO-3 replay): their source is in every key, so an edit of any of them traces again."""
 ENTRY_FORMAT = 1

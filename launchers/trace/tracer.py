@@ -34,6 +34,7 @@ from launchers.models.fake_kernels import grouped_mm_for_fake_tensors
 from launchers.models.four_bit import emulate_four_bit_matmuls, is_four_bit
 from launchers.models.reference import anchored, freeze_all, frozen_copy_spec, reference_forward
 from launchers.models.zero3_linear import deepspeed_linear
+from launchers.trace.zero3_events import deepspeed_module_events
 from optimizer.deepspeed.zero3_gather import gathered, replay
 from optimizer.deepspeed.zero_settings import gather_settings
 from optimizer.ledger.quantized import packed_elements
@@ -128,13 +129,12 @@ def _working(snapshot: dict) -> int:
     return sum(kinds.get(kind, 0) for kind in WORKING_KINDS)
 
 
-def _tracker(blocks: nn.ModuleList | None = None, modules: list[nn.Module] | None = None) -> Any:
+def _tracker(blocks: nn.ModuleList | None = None) -> Any:
     """A MemTracker that also keeps the activations' high-water mark and its phase, and the joint peak of
     activations + gradients per segment of the step (module doc; :func:`joint_peak`)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     block_ids = {id(block) for block in blocks} if blocks is not None else set()
-    module_index = {id(module): i for i, module in enumerate(modules or ())}
 
     class NoHook:
         """A frozen parameter's stand-in for the two grad-hook handles MemTracker removes on exit."""
@@ -162,31 +162,17 @@ def _tracker(blocks: nn.ModuleList | None = None, modules: list[nn.Module] | Non
             self.working_segments: list[int] = [0]  # the same stretches' activation high-water marks
             self.ungraded_segments: list[int] = [0]  # … before any gradient exists
             self.graded_segments: list[int] = [0]  # … once one does
-            self.module_events: list[tuple[str, int]] = []  # (forward_pre | … | backward_post, module index)
+            # (forward_pre | … | backward_post, module index) in DeepSpeed's order (launchers.trace.zero3_events)
+            self.module_events: list[tuple[str, int]] = []
             # (module events so far, stretch) -> the activations' high-water mark between two module events: what
             # is live beside the parameters ZeRO-3 holds gathered from one event to the next (:func:`_zero3_joint`)
             self.interval_marks: dict[tuple[int, int], int] = {}
 
-        def _note(self, kind: str, module: nn.Module) -> None:
-            index = module_index.get(id(module))
-            if index is not None:
-                self.module_events.append((kind, index))
-
-        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-            super()._pre_fw_hook(module, inputs)
-            self._note("forward_pre", module)
-
-        def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
-            super()._post_fw_hook(module, inputs, outputs)
-            self._note("forward_post", module)
-
-        def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
-            super()._pre_bw_hook(module, args)
-            self._note("backward_pre", module)
+        def note(self, kind: str, index: int) -> None:
+            self.module_events.append((kind, index))
 
         def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
             super()._post_bw_hook(module, args)
-            self._note("backward_post", module)
             if id(module) in block_ids:
                 self.blocks_done += 1
 
@@ -311,10 +297,11 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
             tokens = torch.randint(0, int(model_spec.get("vocab_size", 2)), (rows, sequence_length + 1))
             blocks = decoder_blocks(model)
             modules = list(model.modules())
-            tracker = _tracker(blocks, modules)
+            tracker = _tracker(blocks)
             tracker.track_external(model)
             by_op = _kept_by_op_mode([*model.parameters(), *model.buffers(), tokens])
-            with tracker, deepspeed_linear() if zero3 else contextlib.nullcontext():
+            with tracker, deepspeed_module_events(modules, tracker.note), \
+                    deepspeed_linear() if zero3 else contextlib.nullcontext():
                 with by_op:
                     loss = model(tokens)
                 stored = _working(tracker.get_tracker_snapshot("current"))

@@ -12,6 +12,9 @@ buffers still referenced then, must equal the replay's figures after the same ev
   fully fine-tuned, bf16): in the first step that prefetches (``first_step``: its persistent parameters arrive
   partitioned and join the buckets) and in the next; asserted non-zero somewhere and larger in the first step, so
   the test fails if DeepSpeed stops keeping them or starts the first step with them gathered.
+* The trace's module events (:mod:`launchers.trace.zero3_events`, what the ledger replays the coordinator over) are
+  DeepSpeed's own, event for event, in every case: a recomputation that stops early ends no module's forward, and
+  backward's marks fire in the order of DeepSpeed's autograd functions.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 import pytest
 from two_ranks import TWO_CPU_RANKS, run_two_ranks
 
+import launchers.trace.tracer as tracer
 from launchers.trace.inventory import adapted_inventory
 from launchers.trial.run import model_dict
 from optimizer.deepspeed.config import build_ds_config
@@ -30,6 +34,7 @@ from optimizer.deepspeed.zero3_gather import replay
 from optimizer.deepspeed.zero_settings import gather_settings
 from optimizer.study.knobs import Candidate, FullCheckpointing, OffloadDevice, Precision, ZeroStage
 from optimizer.study.study_file import load_study
+from optimizer.study.traced_activation import ZERO3_RUN
 
 pytestmark = pytest.mark.slow
 
@@ -43,8 +48,26 @@ CASES = {  # name: (study, precision, without prefetch and reuse)
 }
 
 
-def test_the_replay_holds_what_deepspeed_holds_hook_by_hook(tmp_path):
-    cases, settings = [], {}
+REPLAYED = tracer._zero3_gathered
+
+
+def _traced_events(model: dict, *, precision: Precision, seq: int, monkeypatch: pytest.MonkeyPatch) -> list:
+    """The module events the tracer replays the coordinator over, for one micro-batch with full checkpointing."""
+    seen: list = []
+
+    def keep(model, modules, tracker, model_spec):
+        seen.extend(tracker.module_events)
+        return REPLAYED(model, modules, tracker, model_spec)
+
+    monkeypatch.setattr(tracer, "_zero3_gathered", keep)
+    result = tracer.trace(model_spec={**model, ZERO3_RUN: True}, checkpointing="full", precision=precision,
+                          micro_batch=1, sequence_length=seq)
+    assert isinstance(result, tracer.TraceResult), result
+    return seen
+
+
+def test_the_replay_holds_what_deepspeed_holds_hook_by_hook(tmp_path, monkeypatch):
+    cases, settings, traced = [], {}, {}
     for name, (study_name, precision, bare) in CASES.items():
         study = adapted_inventory(load_study(ROOT / "studies" / f"{study_name}.yaml"))
         candidate = Candidate(zero_stage=ZeroStage.PARAMETERS, offload_optimizer=OffloadDevice.NONE,
@@ -58,6 +81,8 @@ def test_the_replay_holds_what_deepspeed_holds_hook_by_hook(tmp_path):
             settings[name] = dataclasses.replace(settings[name], prefetch_bucket=0, max_reuse_distance=0)
         cases.append({"name": name, "model": model_dict(study.model), "seq": study.training.sequence_length,
                       "checkpointing": "full", "config": config})
+        traced[name] = _traced_events(model_dict(study.model), precision=precision,
+                                      seq=study.training.sequence_length, monkeypatch=monkeypatch)
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     run_two_ranks(HERE / "zero3_gather_rank.py", str(tmp_path / "cases.json"), str(tmp_path))
     for name, (_, _, bare) in CASES.items():
@@ -67,6 +92,7 @@ def test_the_replay_holds_what_deepspeed_holds_hook_by_hook(tmp_path):
             first_buffered = 0
             for number, step in enumerate(report["steps"][1:], start=1):
                 events = [tuple(e) for e in step["events"]]
+                assert [tuple(e) for e in traced[name]] == events, (name, rank, number)  # the trace's own order
                 recomputing = [i for i, (kind, _) in enumerate(events)
                                if kind == "forward_pre" and any(k == "backward_pre" for k, _ in events[:i])]
                 assert recomputing, name  # full checkpointing: forwards inside backward
