@@ -146,3 +146,27 @@ def zero_lora_b_(model: nn.Module, model_spec: dict[str, Any]) -> None:
         if name.endswith("lora_B"):
             for param in module.parameters():
                 param.data.zero_()
+
+
+def adapter_parameters(model: nn.Module) -> set[int]:
+    """The ids of the PEFT adapters' own tensors in ``model``: those ``get_peft_model`` upcasts to fp32 in a bf16 or
+    fp16 model (``autocast_adapter_dtype=True``, its default) — every parameter kept under an adapter's name in a
+    tuner layer's ``ModuleDict``/``ParameterDict`` (``lora_A``, ``lora_B``, DoRA's ``lora_magnitude_vector``), the
+    walk of ``peft/tuners/tuners_utils.py:2729-2750`` (``cast_adapter_dtype``). Empty when PEFT was not imported."""
+    import sys
+
+    if "peft" not in sys.modules:
+        return set()
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from torch import nn
+
+    out: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        for sub in module.modules():
+            if isinstance(sub, nn.ModuleDict):
+                out.update(id(p) for name in sub for p in sub[name].parameters())
+            elif isinstance(sub, nn.ParameterDict):
+                out.update(id(sub[name]) for name in sub)
+    return out

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from launchers.models.four_bit import is_four_bit
 from launchers.models.setup_error import TrainableSetupError
+from launchers.models.trainable import adapter_parameters
 from launchers.trace.cache_dir import cache_dir, source_digest
 from launchers.trace.json_cache import KeyedJsonStore
 from optimizer.deepspeed.versions import installed_version, installed_versions
@@ -55,6 +56,7 @@ def inventory_of(model: nn.Module, *, source: str) -> ParameterInventory:
             owners[qualified] = (module_name, type(module).__name__, param)
     first: dict[int, str] = {}
     groups: dict[int, list[str]] = {}
+    adapters = adapter_parameters(model)
     tensors = []
     for qualified, (module_name, module_type, param) in owners.items():
         key = id(param)
@@ -64,7 +66,8 @@ def inventory_of(model: nn.Module, *, source: str) -> ParameterInventory:
         first[key] = qualified
         tensors.append(InventoryTensor(name=qualified, module=module_name, module_type=module_type,
                                        shape=tuple(param.shape), dtype=str(param.dtype).removeprefix("torch."),
-                                       trainable=bool(param.requires_grad), four_bit=is_four_bit(param)))
+                                       trainable=bool(param.requires_grad), four_bit=is_four_bit(param),
+                                       adapter=key in adapters))
     tied = tuple(tuple(names) for names in groups.values() if len(names) > 1)
     return ParameterInventory(tensors=tuple(tensors), tied=tied, model_class=type(model).__name__, source=source)
 

@@ -13,6 +13,7 @@ from optimizer.ledger.transformer import (
     largest_layer_parameters,
     largest_tensor_parameters,
     parameter_count,
+    parameter_tensors,
     persistent_parameters,
     tied_copy_elements,
     trainable_count,
@@ -20,8 +21,8 @@ from optimizer.ledger.transformer import (
     zero12_partition,
 )
 from optimizer.study.constraints import gradient_accumulation_steps
-from optimizer.study.knobs import Candidate, OffloadDevice
-from optimizer.study.specs import HardwareSpec, TrainingSpec, TransformerModel
+from optimizer.study.knobs import Candidate, OffloadDevice, Precision, ZeroStage
+from optimizer.study.specs import Construction, HardwareSpec, TrainingSpec, TransformerModel
 
 DS = f"DeepSpeed {LEDGER_DEEPSPEED_VERSION}"
 """The release the items' file:line sources refer to (:mod:`optimizer.deepspeed.versions`)."""
@@ -68,6 +69,10 @@ class _Sizes:
     """Their bytes whole: packed weights + quantization statistics."""
     four_bit_statistics: int = 0
     """The statistics alone (absmax, codebooks): not parameters, never partitioned."""
+    q_adapter: int = 0
+    """Qₐ: of Q, the partition elements of PEFT adapters a ZeRO-3 run keeps in fp32 (:func:`adapters_kept_fp32`)."""
+    k_adapter: int = 0
+    """Kₐ: of K, the persistent elements of those adapters."""
 
     def __post_init__(self) -> None:
         for name, full in (("trainable", self.psi), ("q_trainable", self.q), ("largest_module_grad",
@@ -95,6 +100,17 @@ class _Sizes:
         return self.psi - self.trainable
 
 
+def adapters_kept_fp32(*, model: TransformerModel, candidate: Candidate, training: TrainingSpec) -> bool:
+    """PEFT's adapters stay fp32 in a 16-bit ZeRO-3 run of a model built under ``zero.Init``: ``get_peft_model``
+    upcasts them (``autocast_adapter_dtype=True``, ``peft/tuners/tuners_utils.py:2729-2750``), and the engine casts
+    parameters to the training dtype only when the model was not built by zero.Init (``engine.py:1859-1862``,
+    ``is_zero_init_model``). Their partitions then sit in an fp32 flat buffer (``defragment`` keeps the one dtype of
+    the trainable group, ``runtime/zero/utils.py:215-243``) and the persistent ones are gathered whole in fp32.
+    A 4-bit base is built without zero.Init (``modeling_utils.py:1435``): the engine casts its adapters."""
+    return (candidate.zero_stage is ZeroStage.PARAMETERS and candidate.precision is not Precision.FP32
+            and model.quantization is None and training.construction(candidate.zero_stage) is Construction.ZERO_INIT)
+
+
 def _sizes(*, model: TransformerModel, candidate: Candidate, hardware: HardwareSpec, training: TrainingSpec,
            settings: ZeroSettings) -> _Sizes:
     psi = parameter_count(model)
@@ -105,6 +121,8 @@ def _sizes(*, model: TransformerModel, candidate: Candidate, hardware: HardwareS
     q = zero3_partition_elements(model, ranks=n)
     q_trainable = zero3_partition_elements(model, ranks=n, trainable_only=True)
     four_bit = four_bit_weights(model)
+    fp32 = adapters_kept_fp32(model=model, candidate=candidate, training=training)
+    adapters = [t.numel for t in parameter_tensors(model) if t.adapter] if fp32 else []
     return _Sizes(
         psi=psi, trainable=trainable, n=n, g=candidate.precision.bytes_per_element, padded=flat.padded, p=flat.per_rank,
         sigma=flat.held, piece=flat.largest_piece, q=q, q_trainable=q_trainable,
@@ -116,6 +134,8 @@ def _sizes(*, model: TransformerModel, candidate: Candidate, hardware: HardwareS
         gas=gradient_accumulation_steps(candidate=candidate, hardware=hardware, training=training),
         four_bit=four_bit.elements, four_bit_bytes=four_bit.held_bytes,
         four_bit_statistics=four_bit.statistics_bytes,
+        q_adapter=sum(-(-numel // n) for numel in adapters),
+        k_adapter=sum(numel for numel in adapters if numel <= settings.param_persistence_threshold),
     )
 
 

@@ -47,6 +47,8 @@ class ParameterTensor:
     """It trains: DeepSpeed makes its gradient, master copy and optimizer states (the inventory's flag)."""
     four_bit: bool = False
     """A 4-bit weight of a QLoRA base (the inventory's flag; never trainable)."""
+    adapter: bool = False
+    """A PEFT adapter's own tensor, fp32 in a bf16/fp16 model (the inventory's flag)."""
 
 
 @lru_cache(maxsize=64)
@@ -61,7 +63,8 @@ def parameter_tensors(model: TransformerModel) -> tuple[ParameterTensor, ...]:
     an untied LM head adds V·h.
     """
     if model.inventory is not None:  # the model as its code builds it (optimizer/study/inventory.py)
-        return tuple(ParameterTensor(module=t.module, numel=t.numel, trainable=t.trainable, four_bit=t.four_bit)
+        return tuple(ParameterTensor(module=t.module, numel=t.numel, trainable=t.trainable, four_bit=t.four_bit,
+                                     adapter=t.adapter)
                      for t in model.inventory.tensors)
     return layout_tensors(model)
 

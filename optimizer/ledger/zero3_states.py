@@ -57,10 +57,16 @@ def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, replayed
                   f"{DS} swap_tensor/partitioned_param_swapper.py:104-127"),
         ]
     else:
-        items = [_item(f"{prec} parameter partition{' (pinned)' if param is OffloadDevice.CPU else ''}",
-                       Category.PARAMS, _place(param), g * q, f"{g}Q", f"{STAGE3}:906-907, 970-973")]
-    items.append(_item(f"persistent parameters (≤ {settings.param_persistence_threshold:,} elements each)",
-                       Category.PARAMS, Location.GPU, g * z.k, f"{g}K", f"{DS} parameter_offload.py:317-330"))
+        # PEFT's adapters kept fp32 (state_sizes.adapters_kept_fp32): 4 bytes each, in partition and when persistent
+        up = FP32 - g
+        items = [_item(f"{prec} parameter partition{' (pinned)' if param is OffloadDevice.CPU else ''}"
+                       + (" (the adapters' in fp32)" if z.q_adapter else ""), Category.PARAMS, _place(param),
+                       g * q + up * z.q_adapter, f"{g}Q" + (f" + {up}Qₐ" if z.q_adapter else ""),
+                       f"{STAGE3}:906-907, 970-973" + (f"; {DS} runtime/zero/utils.py:215-243" if z.q_adapter else ""))]
+    items.append(_item(f"persistent parameters (≤ {settings.param_persistence_threshold:,} elements each)"
+                       + (" (the adapters' in fp32)" if z.k_adapter else ""), Category.PARAMS, Location.GPU,
+                       g * z.k + (FP32 - g) * z.k_adapter, f"{g}K" + (f" + {FP32 - g}Kₐ" if z.k_adapter else ""),
+                       f"{DS} parameter_offload.py:317-330"))
     if not gathers(z, candidate):
         # One rank: "gathering" points each parameter at its device partition, a view (NoGatherHandle,
         # partition_parameters.py:61-75, taken at :1559-1560 when every partition's world size is 1).

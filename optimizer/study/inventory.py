@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-INVENTORY_FORMAT = 2
+INVENTORY_FORMAT = 3
 """Bumped when the recorded fields change (the cache key carries it)."""
 
 
@@ -50,6 +50,9 @@ class InventoryTensor:
     four_bit: bool = False
     """A weight transformers' bitsandbytes quantizer holds at 4 bits (``model.quantization``): frozen, its bytes
     those of :func:`optimizer.ledger.quantized.four_bit_bytes`."""
+    adapter: bool = False
+    """A PEFT adapter's own tensor (LoRA A/B, DoRA's magnitude): what ``get_peft_model`` upcasts to fp32 in a
+    bf16/fp16 model (``autocast_adapter_dtype=True``, its default; ``peft/tuners/tuners_utils.py:2729-2750``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
@@ -160,7 +163,8 @@ class ParameterInventory:
         return {"format": INVENTORY_FORMAT, "model_class": self.model_class, "source": self.source,
                 "tied": [list(group) for group in self.tied],
                 "tensors": [[t.name, t.module, t.module_type, list(t.shape), t.dtype, t.trainable,
-                             *([True] if t.four_bit else [])] for t in self.tensors]}
+                             *([t.four_bit, True] if t.adapter else [True] if t.four_bit else [])]
+                            for t in self.tensors]}
 
     @staticmethod
     def from_json(data: Mapping[str, Any]) -> ParameterInventory:
@@ -168,7 +172,8 @@ class ParameterInventory:
         if data.get("format") != INVENTORY_FORMAT:
             raise ValueError(f"inventory format {data.get('format')!r}, expected {INVENTORY_FORMAT}")
         tensors = tuple(InventoryTensor(name=n, module=m, module_type=t, shape=tuple(s), dtype=d, trainable=bool(r),
-                                        four_bit=bool(q and q[0])) for n, m, t, s, d, r, *q in data["tensors"])
+                                        four_bit=bool(q and q[0]), adapter=bool(q[1:] and q[1]))
+                        for n, m, t, s, d, r, *q in data["tensors"])
         return ParameterInventory(tensors=tensors, tied=tuple(tuple(g) for g in data.get("tied", ())),
                                   model_class=str(data.get("model_class", "")), source=str(data.get("source", "")))
 

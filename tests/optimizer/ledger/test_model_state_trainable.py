@@ -14,7 +14,7 @@ from optimizer.ledger.model_states import transformer_items
 from optimizer.ledger.transformer import trainable_count, zero12_partition
 from optimizer.study.inventory import InventoryTensor, ParameterInventory
 from optimizer.study.knobs import Candidate, NoCheckpointing, OffloadDevice, Precision, ZeroStage
-from optimizer.study.specs import ActivationSource, HardwareSpec, TrainingSpec, TransformerModel
+from optimizer.study.specs import ActivationSource, HardwareSpec, ModelInit, TrainingSpec, TransformerModel
 
 TENSORS = [("embed_tokens.weight", "embed_tokens", (50, 20), False),
            ("layers.0.attn.q.base_layer.weight", "layers.0.attn.q.base_layer", (20, 20), False),
@@ -22,7 +22,7 @@ TENSORS = [("embed_tokens.weight", "embed_tokens", (50, 20), False),
            ("layers.0.attn.q.lora_B.default.weight", "layers.0.attn.q.lora_B.default", (20, 2), True),
            ("final_norm.weight", "final_norm", (20,), False)]
 INVENTORY = ParameterInventory(tensors=tuple(
-    InventoryTensor(name=n, module=m, module_type="Linear", shape=s, dtype="float32", trainable=t)
+    InventoryTensor(name=n, module=m, module_type="Linear", shape=s, dtype="float32", trainable=t, adapter=t)
     for n, m, s, t in TENSORS), model_class="PeftModel")
 MODEL = TransformerModel(layers=1, hidden_size=20, heads=2, kv_heads=2, ffn_size=80, vocab_size=50,
                          max_positions=16, activations=ActivationSource.FORMULA, inventory=INVENTORY,
@@ -31,11 +31,11 @@ HARDWARE = HardwareSpec(gpus_per_node=2, gpu_memory_bytes=10**9)
 TRAINING = TrainingSpec(global_batch_size=4, micro_batch_size=2, sequence_length=16)
 
 
-def _items(stage: int, precision: Precision) -> dict[str, int]:
+def _items(stage: int, precision: Precision, training: TrainingSpec = TRAINING) -> dict[str, int]:
     candidate = Candidate(zero_stage=ZeroStage(stage), offload_optimizer=OffloadDevice.NONE,
                           offload_param=OffloadDevice.NONE, precision=precision, checkpointing=NoCheckpointing(),
                           micro_batch_size=2)
-    items = transformer_items(candidate=candidate, model=MODEL, hardware=HARDWARE, training=TRAINING)
+    items = transformer_items(candidate=candidate, model=MODEL, hardware=HARDWARE, training=training)
     return {i.name: i.bytes for i in items if i.phase.value != "init"}
 
 
@@ -71,3 +71,18 @@ def test_zero3_partitions_every_parameter_and_keeps_state_for_the_adapters_alone
     assert items["fp32 gradient partition"] == 4 * 40
     assert items["fp32 master partition"] == 4 * 40 and items["Adam exp_avg + exp_avg_sq (fp32)"] == 8 * 40
     assert items["persistent parameters (≤ 200 elements each)"] == 4 * (40 + 40 + 20)
+
+
+def test_zero3_in_bf16_keeps_peft_adapters_fp32_where_zero_init_built_the_model():
+    """PEFT upcasts its adapters to fp32 (autocast_adapter_dtype) and the engine does not cast a model zero.Init built
+    (engine.py:1859-1862): at ZeRO-3 in bf16 the adapters' partitions and their persistent copies are 4 bytes each
+    (Qa = 20 + 20, Ka = 40 + 40; measured on 2 CPU ranks: docs/benchmarks.md, "The adapters stay fp32")."""
+    zero_init = _items(3, Precision.BF16)  # training.model_init auto: zero.Init at ZeRO-3, as HF Trainer does
+    assert zero_init["bf16 parameter partition (the adapters' in fp32)"] == 2 * 750 + 2 * 40
+    assert zero_init["persistent parameters (≤ 200 elements each) (the adapters' in fp32)"] == 2 * 100 + 2 * 80
+    assert zero_init["bf16 gradient partition"] == 2 * 40  # gradient_accumulation_dtype: the training dtype
+    built_whole = _items(3, Precision.BF16, TrainingSpec(global_batch_size=4, micro_batch_size=2, sequence_length=16,
+                                                         model_init=ModelInit.FULL))  # the engine casts them
+    assert built_whole["bf16 parameter partition"] == 2 * 750
+    assert built_whole["persistent parameters (≤ 200 elements each)"] == 2 * 100
+    assert _items(3, Precision.FP32)["fp32 parameter partition"] == 4 * 750  # nothing to upcast

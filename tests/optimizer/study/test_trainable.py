@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from optimizer.study.errors import UserError
@@ -104,6 +105,23 @@ def test_the_inventory_counts_what_trains_as_peft_does(tmp_path, family):
     trainable, total = _peft_counts(config, lora)
     assert (inventory.trainable_parameters, inventory.parameters) == (trainable, total)
     assert 0 < inventory.trainable_parameters < inventory.parameters
+
+
+@pytest.mark.parametrize(("family", "dora"), [("llama", True), ("gpt2", False), ("qwen2", False), ("opt", True)])
+def test_the_inventory_marks_the_tensors_peft_keeps_in_fp32_in_a_bf16_model(tmp_path, family, dora):
+    """What ``get_peft_model`` upcasts in a bf16 model (its default ``autocast_adapter_dtype``) — read off PEFT's own
+    result, independently of dsopt's walk — is what the inventory marks ``adapter``: a ZeRO-3 run keeps it fp32."""
+    config = LLAMA if family == "llama" else FAMILIES[family]
+    lora = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "use_dora": dora}
+    study = with_inventory(load_study(llama_study(tmp_path, model_extra={"peft": lora}, config=config)))
+    marked = [t.numel for t in study.model.inventory.tensors if t.adapter]
+    settings = dict(config)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(settings.pop("model_type"), **settings), dtype=torch.bfloat16)
+    upcast = [p.numel() for p in peft.get_peft_model(model, peft.LoraConfig(**lora)).parameters()
+              if p.dtype == torch.float32]
+    assert sorted(marked) == sorted(upcast) and marked
+    assert all(t.trainable for t in study.model.inventory.tensors if t.adapter)
 
 
 def test_frozen_globs_leave_exactly_the_unmatched_parameters_trainable(tmp_path):
