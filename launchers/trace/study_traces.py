@@ -28,9 +28,9 @@ from launchers.trace.json_cache import KeyedJsonStore
 from optimizer.deepspeed.versions import installed_version, installed_versions
 from optimizer.study.constraints import invalid_reasons
 from optimizer.study.knobs import Candidate, Precision, parse_checkpointing, with_knobs
-from optimizer.study.specs import TransformerModel, baseline_candidate
+from optimizer.study.specs import Accelerator, TransformerModel, baseline_candidate
 from optimizer.study.study_file import StudySpec
-from optimizer.study.traced_activation import ZERO3_RUN, TracedActivation
+from optimizer.study.traced_activation import CPU_KERNELS, ZERO3_RUN, TracedActivation
 
 if TYPE_CHECKING:
     from launchers.trace.tracer import TraceFailure, TraceResult
@@ -40,7 +40,7 @@ TRACE_CODE = ("launchers.trace.tracer", "launchers.trace.trace_depth", "launcher
               "launchers.models.construction", "launchers.models.hf_model", "launchers.models.fake_kernels",
               "optimizer.deepspeed.zero3_gather", "optimizer.deepspeed.zero_settings", "launchers.models.trainable",
               "launchers.models.zero3_linear", "launchers.models.reference",
-              "launchers.trace.zero3_events")
+              "launchers.trace.zero3_events", "launchers.trace.cpu_kernels")
 """dsopt's modules that make a whole-model trace (the tracer, the depth extension, the models it builds, the
 ZeRO-3 replay): their source is in every key, so an edit of any of them traces again."""
 ENTRY_FORMAT = 1
@@ -315,6 +315,8 @@ def with_traced_activations(study: StudySpec, *, candidates: Sequence[Candidate]
         model = study.model
     say = warn or (lambda line: print(line, file=sys.stderr))
     spec = model_dict(model)
+    if study.hardware.accelerator is Accelerator.CPU:  # CPU ranks: the CPU kernels' temporaries too
+        spec = {**spec, CPU_KERNELS: True}
     cache = TraceCache.shared(study_folder=study.path.parent.resolve())
     needed = needed_traces(study, candidates=candidates, also=also)
     parameters = trainable_count(model)  # what a trace counts (requires_grad), so the shallow copies extend to it

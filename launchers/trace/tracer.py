@@ -34,13 +34,14 @@ from launchers.models.fake_kernels import grouped_mm_for_fake_tensors
 from launchers.models.four_bit import emulate_four_bit_matmuls, is_four_bit
 from launchers.models.reference import anchored, freeze_all, frozen_copy_spec, reference_forward
 from launchers.models.zero3_linear import deepspeed_linear
+from launchers.trace.cpu_kernels import cpu_promotion_copies
 from launchers.trace.zero3_events import deepspeed_module_events
 from optimizer.deepspeed.zero3_gather import gathered, replay
 from optimizer.deepspeed.zero_settings import gather_settings
 from optimizer.ledger.quantized import packed_elements
 from optimizer.study.knobs import Precision
 from optimizer.study.quantization_section import STORAGE_BYTES
-from optimizer.study.traced_activation import ZERO3_RUN
+from optimizer.study.traced_activation import CPU_KERNELS, ZERO3_RUN
 
 DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 WORKING_KINDS = ("Activation", "Temp")
@@ -301,7 +302,8 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
             tracker.track_external(model)
             by_op = _kept_by_op_mode([*model.parameters(), *model.buffers(), tokens])
             with tracker, deepspeed_module_events(modules, tracker.note), \
-                    deepspeed_linear() if zero3 else contextlib.nullcontext():
+                    deepspeed_linear() if zero3 else contextlib.nullcontext(), \
+                    cpu_promotion_copies(bool(model_spec.get(CPU_KERNELS))):
                 with by_op:
                     loss = model(tokens)
                 stored = _working(tracker.get_tracker_snapshot("current"))

@@ -12,6 +12,9 @@ ZERO3_RUN = "zero3_run"
 DeepSpeed's linear keeping every Linear's input (``launchers/models/zero3_linear.py``), PEFT's adapters in
 their own dtype. Only a model that trains in part differs (a full fine-tune's Linears keep their inputs anyway),
 so only its ZeRO-3 candidates ask."""
+CPU_KERNELS = "cpu_kernels"
+"""Set (true) in a model spec to trace the model as CPU ranks run it: the CPU kernels' own temporaries are made in
+the trace (``launchers/trace/cpu_kernels.py``). A study whose ``hardware.accelerator`` is ``cpu`` asks."""
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TracedActivation:
