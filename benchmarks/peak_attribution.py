@@ -7,7 +7,9 @@ profiler recording call stacks) and prints, per rank, the measured training peak
 the op during which it fell, and the allocations live then grouped by where they were made (the largest
 first); then the ledger's items at each phase. This is how the ledger's ZeRO-1/2 terms were checked term by
 term (docs/ledger.md "Known limits"). The live listing pairs main-thread events by address, so its sum can exceed the
-peak by what gloo's threads had already freed. Prints only; asserts nothing.
+peak by what gloo's threads had already freed. ``--frames N`` keeps N frames of each site's stack (default 6; 40 shows
+a recomputation's whole path, e.g. ``recompute_fn <- unpack_hook <- linear.py(108): backward``). Prints only;
+asserts nothing.
 """
 
 from __future__ import annotations
