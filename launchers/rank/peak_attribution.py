@@ -24,6 +24,7 @@ from torch._C._profiler import _EventType
 
 import launchers.rank.cpu_memory as cpu_memory
 import launchers.rank.trial_rank as trial_rank
+from launchers.rank.cpu_info import install as keep_cpu_info
 
 FRAMES = int(os.environ.get("DSOPT_ATTRIBUTION_FRAMES", "6"))
 """Frames of the allocation's stack kept per group (innermost first); benchmarks/peak_attribution.py --frames."""
@@ -85,6 +86,7 @@ def live_at_peak(profiler: torch.profiler.profile, *, after_range: str) -> dict[
 
 
 def main() -> int:
+    keep_cpu_info()  # py-cpuinfo asked once per node (launchers/rank/cpu_info.py)
     out_dir = Path(sys.argv[2])
     rank = int(os.environ.get("RANK", "0"))
 

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from launchers.models.builtin import build_workload
 from launchers.models.reference import anchored, reference_engine, reference_forward
+from launchers.rank.cpu_info import install as keep_cpu_info
 from launchers.rank.cpu_memory import LivePeaks, start_cpu_profiler, stop_cpu_profiler
 from launchers.rank.device_identity import cuda_rank, device_identity
 from launchers.rank.device_memory import DeviceMemory
@@ -382,9 +383,8 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
         result["peak_allocated_bytes"] = peaks.peak
         result["init_peak_allocated_bytes"] = peaks.until[INIT_MARK]
         result["training_peak_allocated_bytes"] = peaks.after[INIT_MARK]
-        result["training_peak_reserved_bytes"] = None
+        result["training_peak_reserved_bytes"] = result["peak_reserved_bytes"] = None  # no pool on CPU ranks
         build_peak = peaks.until[BUILD_MARK]
-        result["peak_reserved_bytes"] = None
     result["build_peak_allocated_bytes"] = build_peak
     result.update(device_memory.report())
     engine.destroy()
@@ -393,12 +393,12 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
 
 def main() -> int:
     die_with_parent(signal.SIGKILL)  # torchrun SIGKILLed: its ranks go too (launchers/rank/orphan_guard.py)
+    keep_cpu_info()  # DeepSpeed asks py-cpuinfo once per node, not twice per rank (launchers/rank/cpu_info.py)
     plan = json.loads(Path(sys.argv[1]).read_text())
     out_dir = Path(sys.argv[2])
     rank = int(os.environ.get("RANK", "0"))
     try:
-        result = run(plan, out_dir, rank)
-        code = 0
+        result, code = run(plan, out_dir, rank), 0
     except BaseException as error:  # every failure is data: classify, record, exit non-zero
         result = {"rank": rank, "status": classify(error), "error_type": type(error).__name__,
                   "message": str(error)[-2000:], "traceback": traceback.format_exc()[-4000:],
