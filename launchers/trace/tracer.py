@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from launchers.models.fake_kernels import grouped_mm_for_fake_tensors
+from launchers.models.fake_kernels import grouped_mm_for_fake_tensors, in_one_fake_mode
 from launchers.models.four_bit import emulate_four_bit_matmuls, is_four_bit
 from launchers.models.reference import anchored, freeze_all, frozen_copy_spec, reference_forward
 from launchers.models.zero3_linear import deepspeed_linear
@@ -278,7 +278,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
     events = zero3 or not any(model_spec.get(key) for key in ("peft", "frozen", "quantization"))
     try:
         # what the model prints goes to stderr: stdout may carry ``--json``
-        with FakeTensorMode(), grouped_mm_for_fake_tensors(notes), contextlib.redirect_stdout(sys.stderr):
+        with FakeTensorMode() as mode, grouped_mm_for_fake_tensors(notes), contextlib.redirect_stdout(sys.stderr):
             torch.set_default_dtype(DTYPES[precision])
             try:
                 if model_spec.get("entry_point"):
@@ -292,6 +292,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                 # A quantized model is built without zero.Init (modeling_utils.py:1435), so the engine casts it.
                 four_bit = model_spec.get("quantization")
                 model = apply_trainable(model, model_spec, as_deepspeed_casts=not zero3 or bool(four_bit))
+                in_one_fake_mode(model, mode)  # PEFT's modules_to_save copies
                 if four_bit:  # the 4-bit layers' dequantized weights, where they happen
                     emulate_four_bit_matmuls(model, four_bit)
                 reference = _reference_model(model_spec, sequence_length)

@@ -20,9 +20,9 @@ from optimizer.ledger.transformer import (
     zero3_partition_elements,
     zero12_partition,
 )
-from optimizer.study.constraints import gradient_accumulation_steps
-from optimizer.study.knobs import Candidate, OffloadDevice, Precision, ZeroStage
-from optimizer.study.specs import Construction, HardwareSpec, TrainingSpec, TransformerModel
+from optimizer.study.constraints import adapters_kept_fp32, gradient_accumulation_steps
+from optimizer.study.knobs import Candidate, OffloadDevice
+from optimizer.study.specs import HardwareSpec, TrainingSpec, TransformerModel
 
 DS = f"DeepSpeed {LEDGER_DEEPSPEED_VERSION}"
 """The release the items' file:line sources refer to (:mod:`optimizer.deepspeed.versions`)."""
@@ -98,17 +98,6 @@ class _Sizes:
     def frozen(self) -> int:
         """Ψ − Ψtr: elements that do not train."""
         return self.psi - self.trainable
-
-
-def adapters_kept_fp32(*, model: TransformerModel, candidate: Candidate, training: TrainingSpec) -> bool:
-    """PEFT's adapters stay fp32 in a 16-bit ZeRO-3 run of a model built under ``zero.Init``: ``get_peft_model``
-    upcasts them (``autocast_adapter_dtype=True``, ``peft/tuners/tuners_utils.py:2729-2750``), and the engine casts
-    parameters to the training dtype only when the model was not built by zero.Init (``engine.py:1859-1862``,
-    ``is_zero_init_model``). Their partitions then sit in an fp32 flat buffer (``defragment`` keeps the one dtype of
-    the trainable group, ``runtime/zero/utils.py:215-243``) and the persistent ones are gathered whole in fp32.
-    A 4-bit base is built without zero.Init (``modeling_utils.py:1435``): the engine casts its adapters."""
-    return (candidate.zero_stage is ZeroStage.PARAMETERS and candidate.precision is not Precision.FP32
-            and model.quantization is None and training.construction(candidate.zero_stage) is Construction.ZERO_INIT)
 
 
 def _sizes(*, model: TransformerModel, candidate: Candidate, hardware: HardwareSpec, training: TrainingSpec,

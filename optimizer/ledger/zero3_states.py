@@ -57,7 +57,7 @@ def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, replayed
                   f"{DS} swap_tensor/partitioned_param_swapper.py:104-127"),
         ]
     else:
-        # PEFT's adapters kept fp32 (state_sizes.adapters_kept_fp32): 4 bytes each, in partition and when persistent
+        # PEFT's adapters kept fp32 (constraints.adapters_kept_fp32): 4 bytes each, in partition and when persistent
         up = FP32 - g
         items = [_item(f"{prec} parameter partition{' (pinned)' if param is OffloadDevice.CPU else ''}"
                        + (" (the adapters' in fp32)" if z.q_adapter else ""), Category.PARAMS, _place(param),

@@ -16,6 +16,8 @@ and ``runtime/zero/config.py``):
 * a 4-bit base (``model.quantization``) must be stored as the training dtype at ZeRO-3, which partitions its packed
   weights, and as uint8 or the training dtype below (DeepSpeed casts floating parameters,
   :meth:`optimizer.study.quantization_section.FourBitBase.storage_problem`);
+* PEFT's fp32 adapters cannot train at ZeRO-3 in bf16/fp16 beside parameters of the training dtype (a
+  ``modules_to_save`` copy, trained biases): :func:`mixed_trainable_dtypes`;
 * a checkpointing option must make sense for the model: ``every_K`` needs K ≤ layers, and a
   seed-mode study must state an activation figure for the option.
 
@@ -26,9 +28,24 @@ from __future__ import annotations
 
 from importlib import metadata
 
-from optimizer.study.knobs import Candidate, EveryKCheckpointing, OffloadDevice, SelectiveCheckpointing, ZeroStage
+from optimizer.study.knobs import (
+    Candidate,
+    EveryKCheckpointing,
+    OffloadDevice,
+    Precision,
+    SelectiveCheckpointing,
+    ZeroStage,
+)
 from optimizer.study.quantization_section import FourBitBase, bitsandbytes_missing
-from optimizer.study.specs import HardwareSpec, ModelInit, ModelSpec, SeedModel, TrainingSpec, TransformerModel
+from optimizer.study.specs import (
+    Construction,
+    HardwareSpec,
+    ModelInit,
+    ModelSpec,
+    SeedModel,
+    TrainingSpec,
+    TransformerModel,
+)
 
 
 def invalid_reasons(
@@ -76,12 +93,47 @@ def invalid_reasons(
         missing = bitsandbytes_missing()
         if missing:
             reasons.append(missing)
+    if isinstance(model, TransformerModel) and stage is ZeroStage.PARAMETERS:
+        mixed = mixed_trainable_dtypes(model=model, candidate=candidate, training=training)
+        if mixed:
+            reasons.append(mixed)
     if isinstance(model, TransformerModel) and model.lm_head == "trl_fused" and not _installed("trl"):
         reasons.append("model.lm_head: trl_fused needs the trl package where trials run (pip install trl)")
     if isinstance(model, SeedModel) and model.activation_bytes_for(ckpt) is None:
         stated = ", ".join(sorted(model.activation_bytes))
         reasons.append(f"the study states no activation figure for checkpointing={ckpt} (stated: {stated})")
     return tuple(reasons)
+
+
+def adapters_kept_fp32(*, model: TransformerModel, candidate: Candidate, training: TrainingSpec) -> bool:
+    """PEFT's adapters stay fp32 in a 16-bit ZeRO-3 run of a model built under ``zero.Init``: ``get_peft_model``
+    upcasts them (``autocast_adapter_dtype=True``, ``peft/tuners/tuners_utils.py:2729-2750``), and the engine casts
+    parameters to the training dtype only when the model was not built by zero.Init (``engine.py:1859-1862``,
+    ``is_zero_init_model``). Their partitions then sit in an fp32 flat buffer (``defragment`` keeps the one dtype of
+    the trainable group, ``runtime/zero/utils.py:215-243``) and the persistent ones are gathered whole in fp32.
+    A 4-bit base is built without zero.Init (``modeling_utils.py:1435``): the engine casts its adapters."""
+    return (candidate.zero_stage is ZeroStage.PARAMETERS and candidate.precision is not Precision.FP32
+            and model.quantization is None and training.construction(candidate.zero_stage) is Construction.ZERO_INIT)
+
+
+def mixed_trainable_dtypes(*, model: TransformerModel, candidate: Candidate, training: TrainingSpec) -> str | None:
+    """Why DeepSpeed cannot train this PEFT model at ZeRO-3, or None: its fp32 adapters (:func:`adapters_kept_fp32`)
+    train beside parameters in the training dtype — ``modules_to_save`` copies, biases ``bias: all``/``lora_only``
+    trains. ZeRO-3 moves every trainable partition into one flat buffer of one dtype (``stage3.py:966-972``;
+    ``defragment`` asserts it, ``runtime/zero/utils.py:218``), so ``deepspeed.initialize`` fails; with
+    ``offload_param`` the flat buffers are per group and the first forward fails instead, on an fp32 weight meeting
+    a 16-bit input (measured on CPU ranks, DeepSpeed 0.19.8, PEFT 0.21; reported as TRL#1770, LlamaFactory#2774)."""
+    if model.inventory is None or not adapters_kept_fp32(model=model, candidate=candidate, training=training):
+        return None
+    tensors = model.inventory.tensors
+    others = [t.name for t in tensors if t.trainable and not t.adapter]
+    if not others or not any(t.adapter and t.trainable for t in tensors):
+        return None
+    named = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+    return (f"zero_stage=3 with precision={candidate.precision} cannot train PEFT's fp32 adapters beside {named} in "
+            f"{candidate.precision} (model.peft: modules_to_save or bias): DeepSpeed's ZeRO-3 holds all trainable "
+            f"parameters in one flat buffer of one dtype and fails at deepspeed.initialize (runtime/zero/utils.py:218)"
+            f"; use zero_stage <= 2, precision fp32, or training.model_init: full (the engine then casts the adapters)")
 
 
 def _installed(package: str) -> bool:

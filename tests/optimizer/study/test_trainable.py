@@ -3,6 +3,7 @@ trainable and frozen tensors as PEFT itself does, and a target or a glob that ma
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -159,3 +160,38 @@ def test_ledger_json_says_what_trains(tmp_path, capsys):
     trainable, total = _peft_counts(LLAMA, {"r": 4, "target_modules": ["q_proj", "v_proj"]})
     assert (inventory["trainable"], inventory["frozen"], inventory["parameters"]) == (trainable, total - trainable,
                                                                                       total)
+
+
+@pytest.mark.parametrize(("family", "lora", "trains_beside"), [
+    ("llama", {"r": 4, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]},
+     "lm_head.modules_to_save"),
+    ("qwen2", {"r": 4, "target_modules": ["q_proj", "v_proj"], "bias": "lora_only"}, "q_proj.base_layer.bias"),
+    ("llama", {"r": 4, "target_modules": ["q_proj", "v_proj"], "bias": "all"}, None),  # no biases in the model
+    ("qwen2", {"r": 4, "target_modules": ["q_proj", "v_proj"]}, None),
+])
+def test_fp32_adapters_beside_16_bit_trainable_parameters_are_refused_at_zero3_only(tmp_path, family, lora,
+                                                                                     trains_beside):
+    """DeepSpeed's ZeRO-3 holds every trainable partition in one flat buffer of one dtype (runtime/zero/utils.py:218;
+    the real failure: tests/real/deepspeed/test_mixed_trainable_dtypes_real.py): PEFT's fp32 adapters beside a
+    ``modules_to_save`` copy in bf16 cannot train there, and can everywhere the dtypes agree."""
+    from optimizer.study.constraints import invalid_reasons
+    from optimizer.study.knobs import with_knobs
+    from optimizer.study.specs import ModelInit, baseline_candidate
+
+    config = LLAMA if family == "llama" else FAMILIES[family]
+    study = with_inventory(load_study(llama_study(tmp_path, model_extra={"peft": lora}, config=config)))
+
+    def why(training=study.training, **knobs):
+        candidate = with_knobs(baseline_candidate(training), knobs)
+        return invalid_reasons(candidate=candidate, model=study.model, hardware=study.hardware, training=training)
+
+    refused = why(zero_stage=3, precision="bf16")
+    if trains_beside is None:
+        assert refused == ()
+        return
+    assert len(refused) == 1 and trains_beside in refused[0] and "runtime/zero/utils.py:218" in refused[0], refused
+    assert why(zero_stage=3, precision="bf16", offload_param="cpu", offload_optimizer="cpu") == refused
+    for fine in ({"zero_stage": 3}, {"zero_stage": 2, "precision": "bf16"}, {"zero_stage": 0, "precision": "bf16"}):
+        assert why(**fine) == (), fine
+    cast = dataclasses.replace(study.training, model_init=ModelInit.FULL)  # the engine casts a model it did not build
+    assert why(training=cast, zero_stage=3, precision="bf16") == ()
