@@ -48,6 +48,7 @@ def hang_workload(spec, sequence_length, seed, checkpointing):
 
     def batch_fn(step, indices):
         if step == FAIL_AT_STEP and int(os.environ.get("RANK", "0")) == 0:
+            Path(__file__).with_name("hang_reached.marker").touch()  # beside this copy, in the study's folder
             time.sleep(3600)
         return data(step, indices)
 
