@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 from launchers.trace.cache_dir import cache_dir, source_digest
 from launchers.trace.json_cache import KeyedJsonStore
 from optimizer.deepspeed.versions import installed_version, installed_versions
-from optimizer.study.constraints import invalid_reasons
+from optimizer.study.constraints import invalid_reasons, zero3_keeps_adapters_fp32
 from optimizer.study.knobs import Candidate, Precision, parse_checkpointing, with_knobs
 from optimizer.study.specs import Accelerator, TransformerModel, baseline_candidate
 from optimizer.study.study_file import StudySpec
-from optimizer.study.traced_activation import CPU_KERNELS, ZERO3_RUN, TracedActivation
+from optimizer.study.traced_activation import ADAPTERS_CAST, CPU_KERNELS, ZERO3_RUN, TracedActivation
 
 if TYPE_CHECKING:
     from launchers.trace.tracer import TraceFailure, TraceResult
@@ -321,7 +321,8 @@ def with_traced_activations(study: StudySpec, *, candidates: Sequence[Candidate]
     needed = needed_traces(study, candidates=candidates, also=also)
     parameters = trainable_count(model)  # what a trace counts (requires_grad), so the shallow copies extend to it
     seq = study.training.sequence_length
-    specs = {False: spec, True: {**spec, ZERO3_RUN: True}}
+    cast = not zero3_keeps_adapters_fp32(model=model, training=study.training)
+    specs = {False: spec, True: {**spec, ZERO3_RUN: True, **({ADAPTERS_CAST: True} if cast else {})}}
     jobs = [job for (c, p, zero3), batches in needed.items() for b in batches
             for job in [{"model_spec": specs[zero3], "parameters": parameters, "checkpointing": c, "precision": p,
                          "micro_batch": b, "sequence_length": seq}] if not cache.holds(**job)]

@@ -41,7 +41,7 @@ from optimizer.deepspeed.zero_settings import gather_settings
 from optimizer.ledger.quantized import packed_elements
 from optimizer.study.knobs import Precision
 from optimizer.study.quantization_section import STORAGE_BYTES
-from optimizer.study.traced_activation import CPU_KERNELS, ZERO3_RUN
+from optimizer.study.traced_activation import ADAPTERS_CAST, CPU_KERNELS, ZERO3_RUN
 
 DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 WORKING_KINDS = ("Activation", "Temp")
@@ -287,11 +287,12 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                 else:  # the model alone: the synthetic data's setup needs real values
                     model = build_model(model_spec, checkpointing=checkpointing)
                 # autograd keeps what the frozen/adapted model needs; the adapters in the training dtype, as the
-                # engine casts them — but not under ZeRO-3, where the model built by zero.Init is not cast
-                # (engine.py:1859-1862, 2077) and PEFT's adapters stay fp32 (lora/layer.py:1100 casts their input).
-                # A quantized model is built without zero.Init (modeling_utils.py:1435), so the engine casts it.
+                # engine casts them — but not under ZeRO-3 where the model built by zero.Init is not cast
+                # (engine.py:1859-1862, 2077) and PEFT's adapters stay fp32 (lora/layer.py:1100 casts their input):
+                # the study says which (ADAPTERS_CAST, from constraints.zero3_keeps_adapters_fp32)
                 four_bit = model_spec.get("quantization")
-                model = apply_trainable(model, model_spec, as_deepspeed_casts=not zero3 or bool(four_bit))
+                casts = not zero3 or bool(model_spec.get(ADAPTERS_CAST))
+                model = apply_trainable(model, model_spec, as_deepspeed_casts=casts)
                 in_one_fake_mode(model, mode)  # PEFT's modules_to_save copies
                 if four_bit:  # the 4-bit layers' dequantized weights, where they happen
                     emulate_four_bit_matmuls(model, four_bit)

@@ -113,7 +113,14 @@ def adapters_kept_fp32(*, model: TransformerModel, candidate: Candidate, trainin
     the trainable group, ``runtime/zero/utils.py:215-243``) and the persistent ones are gathered whole in fp32.
     A 4-bit base is built without zero.Init (``modeling_utils.py:1435``): the engine casts its adapters."""
     return (candidate.zero_stage is ZeroStage.PARAMETERS and candidate.precision is not Precision.FP32
-            and model.quantization is None and training.construction(candidate.zero_stage) is Construction.ZERO_INIT)
+            and zero3_keeps_adapters_fp32(model=model, training=training))
+
+
+def zero3_keeps_adapters_fp32(*, model: TransformerModel, training: TrainingSpec) -> bool:
+    """Whether a 16-bit ZeRO-3 run of this study leaves PEFT's adapters fp32 (:func:`adapters_kept_fp32` for any
+    such candidate): the model is built under zero.Init and has no 4-bit base. Its traces ask the same
+    (``launchers/trace/study_traces.py``)."""
+    return model.quantization is None and training.construction(ZeroStage.PARAMETERS) is Construction.ZERO_INIT
 
 
 def mixed_trainable_dtypes(*, model: TransformerModel, candidate: Candidate, training: TrainingSpec) -> str | None:

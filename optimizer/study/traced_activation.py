@@ -12,6 +12,10 @@ ZERO3_RUN = "zero3_run"
 DeepSpeed's linear keeping every Linear's input (``launchers/models/zero3_linear.py``), PEFT's adapters in
 their own dtype. Only a model that trains in part differs (a full fine-tune's Linears keep their inputs anyway),
 so only its ZeRO-3 candidates ask."""
+ADAPTERS_CAST = "adapters_cast"
+"""Set (true) beside :data:`ZERO3_RUN` where the engine casts PEFT's adapters to the training dtype at ZeRO-3 (a model
+zero.Init did not build, a 4-bit base: ``optimizer.study.constraints.zero3_keeps_adapters_fp32`` false); unset,
+a ZeRO-3 trace keeps them fp32, as ``get_peft_model`` made them."""
 CPU_KERNELS = "cpu_kernels"
 """Set (true) in a model spec to trace the model as CPU ranks run it: the CPU kernels' own temporaries are made in
 the trace (``launchers/trace/cpu_kernels.py``). A study whose ``hardware.accelerator`` is ``cpu`` asks."""
