@@ -53,3 +53,17 @@ def shared_extensions_dir() -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCH_EXTENSIONS_DIR", str(folder))
         yield folder
+
+
+@pytest.fixture(autouse=True)
+def fresh_fake_tensor_cache() -> Iterator[None]:
+    """Each test starts with torch's process-wide fake-tensor dispatch cache empty (``FakeTensorMode.cache``): the
+    suite builds many models on fake tensors in one process, and a cache entry from one test's model served in
+    another's was the likeliest path to the rare SIGSEGV seen inside ``_cached_dispatch_impl`` (docs/benchmarks.md,
+    "The suite"). A dsopt process builds one study's models."""
+    yield
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError:
+        return
+    FakeTensorMode.cache_clear()

@@ -65,20 +65,22 @@ def grouped_mm_for_fake_tensors(seen: list[str]) -> Iterator[None]:
 
 def in_one_fake_mode(model: torch.nn.Module, mode: Any) -> int:
     """Make every fake parameter and buffer of ``model`` one of ``mode``'s (shape, strides, dtype, device and
-    ``requires_grad`` kept); returns how many were remade. PEFT's ``modules_to_save`` deep-copies the module it
-    trains (``peft/utils/other.py``, ``ModulesToSaveWrapper``), and a fake tensor's deep copy gets a fake mode of its
-    own (torch 2.13, in or out of the first mode), which an op cannot mix with the trace's ("Mixing fake modes NYI").
+    ``requires_grad`` kept, a shared tensor remade once); returns how many were remade. PEFT's ``modules_to_save``
+    deep-copies the module it trains (``peft/utils/other.py``, ``ModulesToSaveWrapper``), and a fake tensor's deep
+    copy gets a fake mode of its own (torch 2.13, in or out of the first mode), which an op cannot mix with the
+    trace's ("Mixing fake modes NYI").
     Call it inside ``mode``."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    remade = 0
+    remade: dict[int, torch.Tensor] = {}  # one new tensor per old one: a tensor shared in the copy stays shared
     for module in model.modules():
         for store in (module._parameters, module._buffers):
             for name, tensor in list(store.items()):
                 if isinstance(tensor, FakeTensor) and tensor.fake_mode is not mode:
-                    fresh = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
-                                                device=tensor.device)
-                    is_parameter = isinstance(tensor, torch.nn.Parameter)
-                    store[name] = torch.nn.Parameter(fresh, tensor.requires_grad) if is_parameter else fresh
-                    remade += 1
-    return remade
+                    if id(tensor) not in remade:
+                        fresh = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                                    device=tensor.device)
+                        is_parameter = isinstance(tensor, torch.nn.Parameter)
+                        remade[id(tensor)] = torch.nn.Parameter(fresh, tensor.requires_grad) if is_parameter else fresh
+                    store[name] = remade[id(tensor)]
+    return len(remade)

@@ -9,10 +9,11 @@ comm op, ``deepspeed/comm/torch.py:47-53``) — 2.7 s of a 12 s trial launch —
 optimizer pays three more.
 
 The answer is the machine's, so :func:`install` makes ``cpuinfo.get_cpu_info`` read it from
-``<TORCH_EXTENSIONS_DIR>/dsopt-cpuinfo/<host>-<boot id>-<py-cpuinfo version>.json`` — beside the ops it is used to
-build, per virtual environment and node — and the first call on a node (after each boot) probes and writes it.
-DeepSpeed then builds and loads the same op with the same flags: it reads only ``arch`` and ``flags``. The
-entry's moving field (``hz_actual``, the clock now) is the first probe's.
+``<TORCH_EXTENSIONS_DIR>/dsopt-cpuinfo/<host>-<machine>-<boot id>-<py-cpuinfo version>.json`` — beside the ops it is
+used to build, per virtual environment and node — and the first call on a node (after each boot) probes and writes
+it. DeepSpeed then builds and loads the same op with the same flags: it reads ``arch`` and ``flags`` (and
+``vendor_id_raw`` in CPU Adam), fixed for a machine. The entry's moving field (``hz_actual``, the clock now) is the
+first probe's.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import contextlib
 import copy
 import json
 import os
+import platform
 import socket
 import sys
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
@@ -42,22 +45,34 @@ def entry_path(root: Path, version: str) -> Path:
         boot = BOOT_ID.read_text().strip()
     except OSError:  # not Linux: the host name alone
         boot = "noboot"
-    return root / FOLDER / f"{socket.gethostname()}-{boot}-{version}.json"
+    return root / FOLDER / f"{socket.gethostname()}-{platform.machine()}-{boot}-{version}.json"
 
 
 def kept(probe: Callable[[], dict[str, Any]], path: Path) -> Callable[[], dict[str, Any]]:
-    """``probe`` answered from ``path``: read when there, else probed once and written (atomically; a folder
-    that cannot be written only costs the probe). A probe that raises is not kept (DeepSpeed falls back to
-    ``lscpu`` on it); every call gets its own copy."""
+    """``probe`` answered from ``path``: read when there, else probed and written (atomically; a folder that
+    cannot be written only costs the probe). Only an answer with ``arch`` and ``flags`` is kept: a probe that raises
+    (DeepSpeed then falls back to ``lscpu``) or answers ``{}`` (py-cpuinfo's when its subprocess fails) is asked
+    again next time. Every call gets its own copy."""
     memo: list[dict[str, Any]] = []
 
     def get_cpu_info() -> dict[str, Any]:
-        if not memo:
-            memo.append(_read(path) or _written(path, probe()))
-        return copy.deepcopy(memo[0])
+        if memo:
+            return copy.deepcopy(memo[0])
+        info = _read(path)
+        if info is None:
+            info = probe()
+            if not _usable(info):
+                return info
+            _write(path, info)
+        memo.append(info)
+        return copy.deepcopy(info)
 
     get_cpu_info.__doc__ = probe.__doc__
     return get_cpu_info
+
+
+def _usable(info: Any) -> bool:
+    return isinstance(info, dict) and "arch" in info and "flags" in info
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -65,19 +80,21 @@ def _read(path: Path) -> dict[str, Any] | None:
         info = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return info if isinstance(info, dict) and "arch" in info and "flags" in info else None
+    return info if _usable(info) else None
 
 
-def _written(path: Path, info: dict[str, Any]) -> dict[str, Any]:
-    part = path.with_name(f".{path.name}.{os.getpid()}")
+def _write(path: Path, info: dict[str, Any]) -> None:
+    part: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        part.write_text(json.dumps(info))
+        handle, part = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(handle, "w") as out:
+            out.write(json.dumps(info))
         os.replace(part, path)
     except OSError:
-        with contextlib.suppress(OSError):
-            part.unlink()
-    return info
+        if part is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(part)
 
 
 def _patch(module: ModuleType, root: Path) -> None:

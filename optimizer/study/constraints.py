@@ -26,6 +26,7 @@ Nothing here fixes a candidate: it returns reasons, and the caller reports them.
 
 from __future__ import annotations
 
+import json
 from importlib import metadata
 
 from optimizer.study.knobs import (
@@ -129,18 +130,31 @@ def mixed_trainable_dtypes(*, model: TransformerModel, candidate: Candidate, tra
     trains. ZeRO-3 moves every trainable partition into one flat buffer of one dtype (``stage3.py:966-972``;
     ``defragment`` asserts it, ``runtime/zero/utils.py:218``), so ``deepspeed.initialize`` fails; with
     ``offload_param`` the flat buffers are per group and the first forward fails instead, on an fp32 weight meeting
-    a 16-bit input (measured on CPU ranks, DeepSpeed 0.19.8, PEFT 0.21; reported as TRL#1770, LlamaFactory#2774)."""
-    if model.inventory is None or not adapters_kept_fp32(model=model, candidate=candidate, training=training):
+    a 16-bit input (both measured on CPU ranks, DeepSpeed 0.19.8, PEFT 0.21: test_mixed_trainable_dtypes_real;
+    reported as TRL#1770, LlamaFactory#2774). Without an inventory (the model could not be built on fake tensors)
+    the setup's own fields decide."""
+    if model.peft is None or not adapters_kept_fp32(model=model, candidate=candidate, training=training):
         return None
-    tensors = model.inventory.tensors
-    others = [t.name for t in tensors if t.trainable and not t.adapter]
-    if not others or not any(t.adapter and t.trainable for t in tensors):
-        return None
-    named = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+    if model.inventory is not None:
+        tensors = model.inventory.tensors
+        others = [t.name for t in tensors if t.trainable and not t.adapter]
+        if not others or not any(t.adapter and t.trainable for t in tensors):
+            return None
+        named = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+    else:
+        fields = json.loads(model.peft)
+        named = " and ".join(part for part in (
+            "the modules_to_save copies" if fields.get("modules_to_save") else "",
+            "the biases it trains" if fields.get("bias", "none") != "none" else "") if part)
+        if not named:
+            return None
+    where = ("at the first forward (offload_param: an fp32 weight meets a 16-bit input)"
+             if candidate.offload_param is not OffloadDevice.NONE else
+             "at deepspeed.initialize (runtime/zero/utils.py:218)")
     return (f"zero_stage=3 with precision={candidate.precision} cannot train PEFT's fp32 adapters beside {named} in "
-            f"{candidate.precision} (model.peft: modules_to_save or bias): DeepSpeed's ZeRO-3 holds all trainable "
-            f"parameters in one flat buffer of one dtype and fails at deepspeed.initialize (runtime/zero/utils.py:218)"
-            f"; use zero_stage <= 2, precision fp32, or training.model_init: full (the engine then casts the adapters)")
+            f"{candidate.precision} (model.peft: modules_to_save or bias): DeepSpeed's ZeRO-3 holds trainable "
+            f"parameters in flat buffers of one dtype and fails {where}; use zero_stage <= 2, precision fp32, or "
+            f"training.model_init: full (the engine then casts the adapters)")
 
 
 def _installed(package: str) -> bool:

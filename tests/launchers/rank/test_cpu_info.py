@@ -76,3 +76,23 @@ def test_deepspeeds_import_of_py_cpuinfo_gets_the_nodes_kept_answer(tmp_path):
     assert _get_cpu_info_in_a_process(env)["brand_raw"] == "marker"
     without = {k: v for k, v in env.items() if k != "TORCH_EXTENSIONS_DIR"}
     assert _get_cpu_info_in_a_process(without).get("brand_raw") != "marker"  # not a dsopt launch: untouched
+
+
+def test_an_empty_answer_is_asked_again_and_never_written(tmp_path):
+    answers = iter([{}, {"arch": "X86_64", "flags": []}])  # py-cpuinfo's {} when its subprocess fails, then a real one
+    path = entry_path(tmp_path, "9.0.0")
+    get = kept(lambda: next(answers), path)
+    assert get() == {} and not path.exists()
+    assert get() == {"arch": "X86_64", "flags": []} and path.exists()
+
+
+def test_installing_after_cpuinfo_was_imported_patches_it_at_once(tmp_path, monkeypatch):
+    import cpuinfo
+
+    from launchers.rank.cpu_info import install
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: {"arch": "PROBED", "flags": []})  # restored after the test
+    install({"TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert cpuinfo.get_cpu_info()["arch"] == "PROBED"
+    (entry,) = (tmp_path / FOLDER).glob("*.json")
+    assert json.loads(entry.read_text())["arch"] == "PROBED"

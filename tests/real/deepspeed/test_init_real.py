@@ -47,14 +47,14 @@ def _study(folder: Path, *, model_init: str = "auto", model: dict | None = None)
     return load_study(path)
 
 
-_LAUNCHED: dict[tuple[str, str], object] = {}
-"""Each (study, candidate) launched once in this module: a test that reads the same run reuses it. Keyed by the study
-file's text (``_study`` writes different models under one name) and the study's inventory."""
+_LAUNCHED: dict[tuple[str, ...], object] = {}
+"""Each (study, candidate) launched once in this module: a test that reads the same run reuses it. Keyed by what the
+study says (``_study`` writes different models under one file name), not by its path."""
 
 
 def _run(study, **knobs):
     candidate = with_knobs(baseline_candidate(study.training), knobs)
-    key = (study.path.read_text(), repr(study.model), candidate.label())
+    key = (repr(study.model), repr(study.training), repr(study.hardware), repr(study.trial), candidate.label())
     if key not in _LAUNCHED:
         _LAUNCHED[key] = run_trial(study=study, candidate=candidate)
     result = _LAUNCHED[key]

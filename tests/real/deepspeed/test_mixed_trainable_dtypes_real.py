@@ -27,6 +27,9 @@ def test_deepspeed_fails_at_initialize_where_the_constraint_refuses_and_trains_w
         assert failed["trainable_dtypes"] == ["torch.bfloat16", "torch.float32"], failed
         assert not failed["ok"] and failed["error_type"] == "AssertionError", failed
         assert failed["file"].endswith("deepspeed/runtime/zero/utils.py") and failed["line"] == 218, failed
+        offloaded = case("zero_init_offload")
+        assert not offloaded["ok"] and offloaded["error_type"] == "RuntimeError", offloaded
+        assert "same dtype" in offloaded["message"], offloaded
         for fine in ("zero_init_no_save", "built_whole"):  # the adapters alone; the engine's cast of a whole model
             result = case(fine)
             assert result["ok"] and result["loss"] > 0, result
