@@ -27,6 +27,7 @@ Nothing here fixes a candidate: it returns reasons, and the caller reports them.
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from importlib import metadata
 
 from optimizer.study.knobs import (
@@ -135,19 +136,9 @@ def mixed_trainable_dtypes(*, model: TransformerModel, candidate: Candidate, tra
     the setup's own fields decide."""
     if model.peft is None or not adapters_kept_fp32(model=model, candidate=candidate, training=training):
         return None
-    if model.inventory is not None:
-        tensors = model.inventory.tensors
-        others = [t.name for t in tensors if t.trainable and not t.adapter]
-        if not others or not any(t.adapter and t.trainable for t in tensors):
-            return None
-        named = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-    else:
-        fields = json.loads(model.peft)
-        named = " and ".join(part for part in (
-            "the modules_to_save copies" if fields.get("modules_to_save") else "",
-            "the biases it trains" if fields.get("bias", "none") != "none" else "") if part)
-        if not named:
-            return None
+    named = _trained_beside_adapters(model)
+    if named is None:
+        return None
     where = ("at the first forward (offload_param: an fp32 weight meets a 16-bit input)"
              if candidate.offload_param is not OffloadDevice.NONE else
              "at deepspeed.initialize (runtime/zero/utils.py:218)")
@@ -155,6 +146,23 @@ def mixed_trainable_dtypes(*, model: TransformerModel, candidate: Candidate, tra
             f"{candidate.precision} (model.peft: modules_to_save or bias): DeepSpeed's ZeRO-3 holds trainable "
             f"parameters in flat buffers of one dtype and fails {where}; use zero_stage <= 2, precision fp32, or "
             f"training.model_init: full (the engine then casts the adapters)")
+
+
+@lru_cache(maxsize=64)
+def _trained_beside_adapters(model: TransformerModel) -> str | None:
+    """What trains in the training dtype beside PEFT's adapters, named (the inventory's tensors; without one, the
+    setup's ``modules_to_save`` and ``bias``), or None. Cached: ``invalid_reasons`` asks per candidate."""
+    if model.inventory is not None:
+        tensors = model.inventory.tensors
+        others = [t.name for t in tensors if t.trainable and not t.adapter]
+        if not others or not any(t.adapter and t.trainable for t in tensors):
+            return None
+        return ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+    fields = json.loads(model.peft or "{}")
+    named = " and ".join(part for part in (
+        "the modules_to_save copies" if fields.get("modules_to_save") else "",
+        "the biases it trains" if fields.get("bias", "none") != "none" else "") if part)
+    return named or None
 
 
 def _installed(package: str) -> bool:
