@@ -73,6 +73,7 @@ def build_launch_plan(
     gpus: Sequence[str] | None = None,
     cpus_per_task: int | None = None,
     rank_command: Sequence[str] | None = None,
+    rank_module: str = "launchers.rank.trial_rank",
 ) -> LaunchPlan:
     """The launch plan for ``ranks`` ranks per node running ``launchers.rank.trial_rank`` (pure).
 
@@ -97,9 +98,10 @@ def build_launch_plan(
     runs it as it is (``--no-python``), a leading ``python``/``python3`` becoming ``python`` (this environment's),
     and :mod:`launchers.rank.script_hook` measures it (``launchers/trial/script_site`` first on ``PYTHONPATH``, the
     plan and the output folder in :data:`~launchers.rank.script_vars.PLAN_VAR` /
-    :data:`~launchers.rank.script_vars.OUT_VAR`).
+    :data:`~launchers.rank.script_vars.OUT_VAR`). ``rank_module``: the built-in program each rank runs with the plan
+    and the output folder (the probe's is :mod:`launchers.rank.probe_rank`).
     """
-    trial_args: tuple[str, ...] = ("-m", "launchers.rank.trial_rank", str(plan_path), str(out_dir))
+    trial_args: tuple[str, ...] = ("-m", rank_module, str(plan_path), str(out_dir))
     if rank_command is not None:
         head = python if Path(rank_command[0]).name in ("python", "python3") else rank_command[0]
         trial_args = ("--no-python", head, *rank_command[1:])

@@ -13,11 +13,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-from optimizer.cli import dashboard, demo, export, ledger, pareto, slurm, study, trace, trial
+from optimizer.cli import dashboard, demo, export, ledger, pareto, probe, slurm, study, trace, trial
 from optimizer.cli.common import Parser
 from optimizer.study.errors import EXIT_USER_ERROR, UserError
 
-COMMANDS = (ledger, trial, study, slurm, export, pareto, dashboard, trace, demo)
+COMMANDS = (ledger, trial, study, slurm, export, pareto, dashboard, trace, probe, demo)
 """Each command module's ``register(sub)`` adds its parser (in ``dsopt --help`` order)."""
 
 

@@ -64,7 +64,8 @@ def prepared_study(study: StudySpec, *, candidates: Sequence[Candidate] | None =
     on fake tensors, cached; one warning and the shape's layout when it cannot be built) and its model traced when
     it says ``activations: trace`` or ``auto``, the default (cached; a failed trace warns on stderr and leaves the
     formula in place) — for ``candidates`` only when given (one ``--set``), else for the whole search space and
-    the candidates in ``also`` (a trial's ``--set``, which may lie outside it).
+    the candidates in ``also`` (a trial's ``--set``, which may lie outside it); and this machine's probe of its
+    shapes where ``dsopt probe`` or a study has cached one (never run here: :mod:`launchers.probe.machine`).
 
     This is the first step that builds or writes anything: every command checks all its input before it."""
     study = counted(study)
@@ -72,6 +73,10 @@ def prepared_study(study: StudySpec, *, candidates: Sequence[Candidate] | None =
         from launchers.trace.study_traces import with_traced_activations
 
         study = with_traced_activations(study, candidates=candidates, also=also)
+    if isinstance(study.model, TransformerModel):
+        from launchers.probe.machine import with_cached_probe
+
+        study = with_cached_probe(study)
     return study
 
 

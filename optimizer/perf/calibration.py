@@ -50,7 +50,7 @@ def fit_rates(samples: Sequence[TimeSample], *, prior: Rates) -> Rates:
     """Calibrated seconds-per-unit (module doc); the prior unchanged when there are no samples."""
     if not samples:
         return prior
-    x = np.array([s.work.vector() for s in samples], dtype=float)
+    x = np.array([prior.features(s.work) for s in samples], dtype=float)
     t = np.array([s.step_time_s for s in samples], dtype=float)
     used = [k for k in range(len(FEATURES)) if np.any(x[:, k] > 0)]
     scale = np.array([x[:, k][x[:, k] > 0].mean() if k in used else 1.0 for k in range(len(FEATURES))])
@@ -75,7 +75,8 @@ def fit_rates(samples: Sequence[TimeSample], *, prior: Rates) -> Rates:
     seconds = list(prior.seconds_per)
     for j, k in enumerate(used):
         seconds[k] = float(u[j] * t_ref / scale[k])
-    return Rates(seconds_per=tuple(seconds), source=f"calibrated on {len(samples)} trial(s)", overlap_z3=False)
+    return Rates(seconds_per=tuple(seconds), source=f"calibrated on {len(samples)} trial(s)", overlap_z3=False,
+                 flop_factors=prior.flop_factors)
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 
 from optimizer.ledger.transformer import parameter_count, trainable_count
 from optimizer.perf.four_bit_work import four_bit_work
+from optimizer.perf.probe_plan import compute_rate
 from optimizer.study.constraints import gradient_accumulation_steps
 from optimizer.study.knobs import (
     Candidate,
@@ -67,6 +68,7 @@ from optimizer.study.knobs import (
     SelectiveCheckpointing,
     ZeroStage,
 )
+from optimizer.study.machine_probe import MachineProbe
 from optimizer.study.specs import HardwareSpec, TrainingSpec, TransformerModel
 
 FEATURES = ("flops_fp32", "flops_16bit", "comm_bytes", "comm_bytes_z3", "pcie_bytes", "host_params", "nvme_bytes",
@@ -105,6 +107,8 @@ class Work:
     """FLOPs of 4-bit matmuls run in 16 bits by an fp32 candidate."""
     dequant_bytes: float = 0.0
     """Device-memory bytes written and read by dequantizing 4-bit weights (QLoRA; module doc)."""
+    micro_batch_size: int = 0
+    """Samples per micro-step (which of the probe's per-micro-batch compute rates applies; 0: none)."""
 
     def vector(self) -> tuple[float, ...]:
         """The work in :data:`FEATURES` order."""
@@ -128,6 +132,22 @@ class Rates:
     overlap_z3: bool = True
     """ZeRO-3 communication hidden under compute up to the compute time (profile rates); calibrated rates
     are fitted as exposed time already."""
+    flop_factors: tuple[tuple[str, int, float], ...] = ()
+    """(precision, micro-batch, factor): the machine's seconds per FLOP at that micro-batch relative to the
+    figure in ``seconds_per`` (the probe's, :func:`optimizer.perf.probe_plan.probe_rates`); 1 where absent. A
+    GEMM's rate depends on its shape, so the FLOP features are scaled by it before the linear model applies —
+    in prediction and in calibration alike, which keeps the fit linear."""
+
+    def features(self, job: Work) -> tuple[float, ...]:
+        """``job``'s work in :data:`FEATURES` order, its FLOPs scaled by :attr:`flop_factors` (per precision of
+        the FLOPs: the fp32 feature by fp32's factor, the 16-bit one by the 16-bit precision's)."""
+        vector = list(job.vector())
+        if self.flop_factors:
+            factors = {(p, b): f for p, b, f in self.flop_factors}
+            half = next((p for p, _, _ in self.flop_factors if p != Precision.FP32.value), Precision.BF16.value)
+            for index, precision in ((0, Precision.FP32.value), (1, half)):
+                vector[index] *= factors.get((precision, job.micro_batch_size), 1.0)
+        return tuple(vector)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -252,7 +272,7 @@ def work(*, candidate: Candidate, model: TransformerModel, hardware: HardwareSpe
     return Work(flops=flops, comm_bytes=comm, comm_bytes_z3=comm_z3, pcie_bytes=pcie, host_params=host,
                 nvme_bytes=nvme, micro_steps=micro, stage=stage, tokens=tokens, precision=candidate.precision,
                 flops_fp32_compute=0.0 if fp32 else other_flops, flops_16bit_compute=other_flops if fp32 else 0.0,
-                dequant_bytes=four_bit.dequant_bytes)
+                dequant_bytes=four_bit.dequant_bytes, micro_batch_size=candidate.micro_batch_size)
 
 
 def profile_rates(*, hardware: HardwareSpec) -> Rates:
@@ -264,7 +284,8 @@ def profile_rates(*, hardware: HardwareSpec) -> Rates:
     only)."""
     profile = hardware.profile
     if profile is None:
-        return Rates(seconds_per=(None,) * len(FEATURES), source="no hardware.profile")
+        rates = Rates(seconds_per=(None,) * len(FEATURES), source="no hardware.profile")
+        return rates if hardware.probe is None else probed_rates(rates, hardware=hardware, probe=hardware.probe)
     link = profile.link_bytes_per_s if hardware.nodes == 1 else (
         hardware.inter_node_bytes_per_s or profile.inter_node_bytes_per_s)
     nvme = hardware.nvme_bytes_per_s
@@ -275,7 +296,7 @@ def profile_rates(*, hardware: HardwareSpec) -> Rates:
     half_precision = Precision.BF16 if Precision.BF16 in hardware.supported_precisions else Precision.FP16
     fp32, half = profile.flops(Precision.FP32), profile.flops(half_precision)
     gpu = half is not None
-    return Rates(seconds_per=(
+    rates = Rates(seconds_per=(
         inverse(fp32 * profile.efficiency) if fp32 else None,
         inverse(half * profile.efficiency) if half else None,
         inverse(link), inverse(link), inverse(profile.pcie_bytes_per_s), inverse(profile.host_adam_params_per_s),
@@ -283,11 +304,66 @@ def profile_rates(*, hardware: HardwareSpec) -> Rates:
         *((0.0 if gpu else None),) * 4,  # per-micro-step overheads: negligible on GPUs for large models
         inverse(profile.memory_bytes_per_s),
     ), source=f"profile {profile.name}")
+    return rates if hardware.probe is None else probed_rates(rates, hardware=hardware, probe=hardware.probe)
+
+
+def probed_rates(rates: Rates, *, hardware: HardwareSpec, probe: MachineProbe) -> Rates:
+    """``rates`` with every figure the probe measured taken from it (:mod:`optimizer.perf.probe_plan`): seconds per
+    FLOP of the model's own GEMMs and attention at the study's micro-batch (the others as
+    :attr:`Rates.flop_factors`), per byte moved of the all-reduce (ZeRO 0–2: each rank moves 2·(W−1)/W of the
+    buffer) and of the largest all-gather (ZeRO-3: (W−1)/W), per byte of a pinned host↔device copy (the offload
+    buffers are pinned; CPU ranks: a host copy), per parameter of DeepSpeedCPUAdam's step, per byte of NVMe
+    (write and read together) and per byte of device memory (QLoRA's dequantization). ``source`` names which
+    figures came from where. Multi-node studies keep the profile's link: the probe times one node's ranks."""
+    seconds = list(rates.seconds_per)
+    probed: list[str] = []
+
+    def take(feature: str, value: float | None) -> None:
+        if value is not None and value > 0:
+            seconds[FEATURES.index(feature)] = value
+            probed.append(feature)
+
+    half = Precision.BF16 if Precision.BF16 in hardware.supported_precisions else Precision.FP16
+    factors: list[tuple[str, int, float]] = []
+    for feature, precision in (("flops_fp32", Precision.FP32), ("flops_16bit", half)):
+        measured = sorted({f.micro_batch for f in probe.of_kind("gemm") if f.precision == precision.value})
+        by_batch = {b: compute_rate(probe, precision=precision.value, micro_batch=b) for b in measured}
+        by_batch = {b: r for b, r in by_batch.items() if r}
+        if not by_batch:
+            continue
+        reference = sorted(by_batch)[len(by_batch) // 2]  # the middle one: the others are factors of it
+        take(feature, by_batch[reference])
+        factors += [(precision.value, b, r / by_batch[reference]) for b, r in by_batch.items()]
+    ring = (probe.ranks - 1) / probe.ranks
+    if hardware.nodes == 1 and ring > 0:
+        reduce = probe.find("all_reduce")
+        take("comm_bytes", reduce and reduce.median_s / (2 * ring * reduce.work))
+        gathers = probe.of_kind("all_gather")
+        gather = max(gathers, key=lambda f: f.work) if gathers else None
+        take("comm_bytes_z3", gather and gather.median_s / (ring * gather.work))
+    copies = [f for f in probe.of_kind("copy") if f.variant.startswith("pinned")] or list(probe.of_kind("copy"))
+    if copies:
+        take("pcie_bytes", sum(f.median_s for f in copies) / sum(f.work for f in copies))
+    adam = probe.find("host_adam")
+    take("host_params", adam and adam.seconds_per_unit)
+    nvme = probe.of_kind("nvme_write") + probe.of_kind("nvme_read")
+    if nvme:
+        take("nvme_bytes", sum(f.median_s for f in nvme) / sum(f.work for f in nvme))
+    memory = probe.find("memory")
+    take("dequant_bytes", memory and memory.seconds_per_unit)
+    if not probed:
+        return rates
+    kept = [n for n, v in zip(FEATURES, seconds, strict=True) if n not in probed and v is not None]
+    source = f"probe {probe.measured_at[:16]} ({', '.join(probed)})"
+    if kept:
+        source += f"; {rates.source} ({', '.join(kept)})"
+    return Rates(seconds_per=tuple(seconds), source=source, overlap_z3=rates.overlap_z3,
+                 flop_factors=tuple(sorted(factors)))
 
 
 def predict(*, job: Work, rates: Rates, ranks: int) -> StepTime | str:
     """The step time for ``job`` at ``rates``, or why it is unknown (the first missing figure it needs)."""
-    vector = job.vector()
+    vector = rates.features(job)
     seconds = []
     for name, amount, per in zip(FEATURES, vector, rates.seconds_per, strict=True):
         if amount and per is None:

@@ -21,6 +21,7 @@ from optimizer.study.knobs import (
     ZeroStage,
     coerce_enums,
 )
+from optimizer.study.machine_probe import MachineProbe
 from optimizer.study.traced_activation import TracedActivation
 
 
@@ -312,6 +313,8 @@ class HardwareSpec:
     """Network bandwidth per device between nodes, one direction (bytes/s); overrides the profile."""
     nvme_bytes_per_s: float | None = None
     """NVMe read/write bandwidth of a node (bytes/s), for NVMe offload time; None: unknown."""
+    probe: MachineProbe | None = None
+    """This machine's kernels timed at the study's shapes (:mod:`launchers.probe.machine`); preferred to the profile."""
 
     def __post_init__(self) -> None:
         coerce_enums(self, accelerator=Accelerator)
@@ -415,5 +418,3 @@ def baseline_candidate(training: TrainingSpec) -> Candidate:
         checkpointing=NoCheckpointing(),
         micro_batch_size=training.micro_batch_size,
     )
-
-

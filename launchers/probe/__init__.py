@@ -1,0 +1,1 @@
+"""The probe of the machine's kernels: its ranks started on this node, their timings merged and cached."""

@@ -1,0 +1,173 @@
+"""Probe this machine's kernels at a study's shapes: start the ranks, merge their timings, keep them per machine.
+
+:func:`with_probe` gives the study its probe (:attr:`optimizer.study.specs.HardwareSpec.probe`): from the cache when
+this machine with these library versions has probed these shapes before, else by :func:`run_probe` — one launch
+of the study's ranks per node (torchrun, as a trial's, :func:`launchers.trial.local.build_launch_plan`) running
+:mod:`launchers.rank.probe_rank` on :func:`optimizer.perf.probe_plan.probe_plan`'s list. The ranks' timings are
+merged per operation: the slowest rank's median (a step waits for its slowest rank), the fastest and slowest
+round of any rank. A study on CUDA ranks cannot be probed on a machine without CUDA (a laptop planning a GPU
+study): :class:`ProbeUnavailable` says so and the profile's figures stay.
+
+The cache (``probe/`` in :func:`launchers.trace.cache_dir.cache_dir`) is keyed by the machine (host name, CPU
+model, the GPUs this worker sees), the library versions, the probe's code and the plan: another study of the same
+shapes on the same machine reuses it; a new driver or another node probes again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from launchers.trace.cache_dir import cache_dir, source_digest
+from launchers.trace.json_cache import KeyedJsonStore
+from launchers.trial.local import build_launch_plan, execute, extensions_dir, free_port, log_tail
+from launchers.trial.node_share import read_cpu_allowance
+from optimizer.deepspeed.versions import installed_versions
+from optimizer.perf.probe_plan import ProbePlan, probe_plan
+from optimizer.study.machine_probe import PROBE_FORMAT, MachineProbe, ProbeFigure
+from optimizer.study.specs import Accelerator
+from optimizer.study.study_file import StudySpec
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+PROBE_TIMEOUT_S = 600.0
+"""Longest a probe's launch may run (its operations take seconds; a hung collective must not hang the study)."""
+CODE = ("launchers.rank.probe_rank", "optimizer.perf.probe_plan", "optimizer.study.machine_probe")
+"""The modules whose source is in the cache key: an edit to what is timed or how probes again."""
+
+
+class ProbeUnavailable(RuntimeError):
+    """The probe cannot run here (why in the message); the time model keeps the profile's figures."""
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line(plan: ProbePlan) -> str:
+    """The machine a probe of ``plan`` runs on, in one line (host, CPU, cores, GPUs seen, library versions)."""
+    versions = ", ".join(f"{name} {version}" for name, version in installed_versions().items() if version)
+    gpus = "CPU ranks" if plan.accelerator == "cpu" else f"GPUs {os.environ.get('CUDA_VISIBLE_DEVICES', 'all')}"
+    return f"{socket.gethostname()}, {cpu_model()}, {read_cpu_allowance()} cores, {gpus}, {versions}"
+
+
+def cache_key(plan: ProbePlan) -> str:
+    """The cache key of a probe of ``plan`` on this machine (module doc)."""
+    return json.dumps({"format": PROBE_FORMAT, "machine": machine_line(plan), "code": source_digest(CODE),
+                       "plan": plan.to_json()}, sort_keys=True)
+
+
+def store() -> KeyedJsonStore:
+    return KeyedJsonStore(cache_dir() / "probe")
+
+
+def merge(reports: list[dict[str, Any]], *, plan: ProbePlan, machine: str) -> MachineProbe:
+    """One :class:`MachineProbe` from the ranks' reports (module doc)."""
+    rounds: dict[tuple[str, str, int, str, float], list[list[float]]] = {}
+    skipped: dict[str, str] = {}
+    for report in reports:
+        for figure in report["figures"]:
+            key = (figure["kind"], figure.get("precision", ""), int(figure.get("micro_batch", 0)),
+                   figure.get("variant", ""), float(figure["work"]))
+            rounds.setdefault(key, []).append([float(s) for s in figure["rounds_s"]])
+        for entry in report["skipped"]:
+            skipped.setdefault(entry["what"], entry["why"])
+    figures = []
+    for (kind, precision, micro_batch, variant, work), per_rank in rounds.items():
+        medians = [sorted(r)[len(r) // 2] for r in per_rank]
+        every = [s for r in per_rank for s in r]
+        low = max(min(every), 1e-12)
+        figures.append(ProbeFigure(kind=kind, precision=precision, micro_batch=micro_batch, variant=variant,
+                                   work=work, median_s=max(max(medians), low), low_s=low,
+                                   high_s=max(max(every), max(medians)), repeats=min(len(r) for r in per_rank)))
+    return MachineProbe(machine=machine, measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
+                        ranks=plan.ranks, seconds=max(float(r["seconds"]) for r in reports), figures=tuple(figures),
+                        skipped=tuple(sorted(skipped.items())))
+
+
+def run_probe(spec: StudySpec, *, say: Callable[[str], None] | None = None) -> MachineProbe:
+    """Time ``spec``'s operations on this node's ranks now (module doc); ProbeUnavailable when it cannot."""
+    plan = probe_plan(spec)
+    cpu = plan.accelerator == Accelerator.CPU.value
+    if not cpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ProbeUnavailable("the study trains on CUDA GPUs and this machine has none")
+    say = say or (lambda text: None)
+    say(f"probing this machine's kernels at the study's shapes on {plan.ranks} rank(s): "
+        f"{len(plan.precisions)} precision(s) x {len(plan.micro_batches)} micro-batch size(s), "
+        f"{'collectives, ' if plan.reduce_bytes else ''}{'offload copies, ' if plan.copy_bytes else ''}"
+        f"{'CPU Adam, ' if plan.host_adam_elements else ''}{'NVMe, ' if plan.nvme_path else ''}optimizer step")
+    machine = machine_line(plan)
+    with tempfile.TemporaryDirectory(prefix="dsopt-probe-") as folder:
+        out = Path(folder)
+        plan_path = out / "plan.json"
+        plan_path.write_text(json.dumps(plan.to_json()))
+        launch = build_launch_plan(
+            python=sys.executable, ranks=plan.ranks, cpu_ranks=cpu, master_port=free_port(), plan_path=plan_path,
+            out_dir=out, base_env=os.environ, pythonpath=[str(PACKAGE_ROOT)], cwd=PACKAGE_ROOT,
+            cpu_count=read_cpu_allowance(), launch_id=uuid.uuid4().hex, extensions_dir=extensions_dir(),
+            parent_pid=os.getpid(), rank_module="launchers.rank.probe_rank")
+        log = out / "probe.log"
+        ended = execute(launch, timeout_s=PROBE_TIMEOUT_S, log_path=log)
+        reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+        if ended.timed_out or ended.returncode != 0 or len(reports) != plan.ranks:
+            how = f"timed out after {PROBE_TIMEOUT_S:.0f} s" if ended.timed_out else f"exit {ended.returncode}"
+            raise ProbeUnavailable(f"the probe's ranks failed ({how}): {log_tail(log, limit=600)}")
+    probe = merge(reports, plan=plan, machine=machine)
+    say(f"probe done in {ended.wall_s:.1f} s ({probe.seconds:.1f} s of timing, {len(probe.figures)} figures)")
+    return probe
+
+
+def cached_probe(spec: StudySpec) -> MachineProbe | None:
+    """The cached probe of ``spec``'s shapes on this machine, or None."""
+    entry = store().get(cache_key(probe_plan(spec)))
+    try:
+        return None if entry is None else MachineProbe.from_json(entry)
+    except ValueError:
+        return None
+
+
+def machine_probe(spec: StudySpec, *, refresh: bool = False, say: Callable[[str], None] | None = None) -> MachineProbe:
+    """The probe of ``spec``'s shapes on this machine: cached, or run now and cached (``refresh``: run now)."""
+    if not refresh:
+        found = cached_probe(spec)
+        if found is not None:
+            return found
+    probe = run_probe(spec, say=say)
+    store().put(cache_key(probe_plan(spec)), probe.to_json())
+    return probe
+
+
+def with_probe(spec: StudySpec, *, say: Callable[[str], None] | None = None) -> StudySpec:
+    """``spec`` with this machine's probe attached (module doc); unchanged, with a line said, where it cannot run."""
+    try:
+        probe = machine_probe(spec, say=say)
+    except ProbeUnavailable as err:
+        if say is not None:
+            say(f"no probe of this machine ({err}); the time model uses the profile's figures and the trials'")
+        return spec
+    return replace(spec, hardware=replace(spec.hardware, probe=probe))
+
+
+def with_cached_probe(spec: StudySpec) -> StudySpec:
+    """``spec`` with this machine's cached probe of its shapes attached, if there is one (nothing is run)."""
+    probe = cached_probe(spec)
+    return spec if probe is None else replace(spec, hardware=replace(spec.hardware, probe=probe))

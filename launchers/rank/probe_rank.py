@@ -1,0 +1,280 @@
+"""``python -m launchers.rank.probe_rank PLAN.json OUT_DIR``: one rank of a probe — the machine's kernels timed at the
+study's shapes (:mod:`optimizer.perf.probe_plan` says what, :mod:`launchers.probe.machine` starts the ranks and
+merges what they write).
+
+Every rank times the same operations at the same moment, as training runs them: the node's ranks share its cores,
+memory bandwidth and links (on CPU ranks each rank gets ``OMP_NUM_THREADS = cores / ranks``, as a trial's do).
+Each operation runs once to warm up, then ``ROUNDS`` rounds; a round repeats it until it has run at least
+``ROUND_S`` (the count fixed by the warm-up, and for collectives agreed by all ranks — rank 0's — so that none
+waits on a call the others never make). A CUDA round is timed with CUDA events around the repetitions, a CPU round
+with ``time.perf_counter``. The collectives go through ``deepspeed.comm`` — DeepSpeed's own backend choice, as the
+engine's collectives do (gloo, or its shared-memory all-reduce on CPU ranks; NCCL on GPUs). Rank k writes
+``rank<k>.json``: per figure its kind, precision, micro-batch, variant, work and seconds per run of each round; an
+operation the machine cannot run is written as skipped with the reason, never a crash of the probe.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROUNDS = 5
+"""Timed rounds per operation and rank."""
+ROUND_S = 0.02
+"""Least seconds a round runs (its repetitions are counted off one warm-up run)."""
+MAX_REPEATS = 10_000
+"""Most repetitions of one operation in a round."""
+
+
+def dtype_of(precision: str) -> Any:
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+class Timer:
+    """Rounds of one operation on this rank's device (module doc)."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.torch = torch
+        self.cuda = device.type == "cuda"
+
+    def once(self, op: Callable[[], object], repeats: int) -> float:
+        """Seconds of ``repeats`` runs of ``op`` in a row."""
+        if self.cuda:
+            start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                op()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        begin = time.perf_counter()
+        for _ in range(repeats):
+            op()
+        return time.perf_counter() - begin
+
+    def repeats_for(self, op: Callable[[], object]) -> int:
+        """Repetitions that make a round last :data:`ROUND_S` (one warm-up run, then one timed)."""
+        op()
+        one = max(self.once(op, 1), 1e-7)
+        return max(1, min(MAX_REPEATS, math.ceil(ROUND_S / one)))
+
+    def rounds(self, op: Callable[[], object], *, repeats: int | None = None) -> list[float]:
+        """Seconds per run of ``op`` in each of :data:`ROUNDS` rounds."""
+        repeats = repeats or self.repeats_for(op)
+        return [self.once(op, repeats) / repeats for _ in range(ROUNDS)]
+
+
+def gemm_rounds(timer: Timer, plan: dict[str, Any], *, device: Any, precision: str, micro_batch: int) -> list[float]:
+    """Per round: Σ over the model's weight shapes of count × (forward X·Wᵀ + input gradient dY·W + weight gradient
+    dYᵀ·X) at T = micro-batch × rows × s tokens (:mod:`optimizer.perf.probe_plan`)."""
+    torch = timer.torch
+    dtype = dtype_of(precision)
+    tokens = micro_batch * plan["rows_per_sample"] * plan["sequence_length"]
+    total = [0.0] * ROUNDS
+    for fan_in, fan_out, count in plan["gemm_shapes"]:
+        x = torch.randn(tokens, fan_in, device=device, dtype=dtype)
+        w = torch.randn(fan_out, fan_in, device=device, dtype=dtype)
+        dy = torch.randn(tokens, fan_out, device=device, dtype=dtype)
+
+        def trio(x: Any = x, w: Any = w, dy: Any = dy) -> None:
+            torch.matmul(x, w.t())
+            torch.matmul(dy, w)
+            torch.matmul(dy.t(), x)
+
+        for index, seconds in enumerate(timer.rounds(trio)):
+            total[index] += count * seconds
+    return total
+
+
+def attention_rounds(timer: Timer, plan: dict[str, Any], *, device: Any, precision: str,
+                     micro_batch: int) -> list[float]:
+    """Per round: ``layers`` × one causal attention core, softmax(QKᵀ/√d)·V, forward and backward, as the model
+    runs it: eager (two matmuls, a masked softmax) or ``scaled_dot_product_attention``."""
+    torch = timer.torch
+    heads, _, head_dim, layers = plan["attention"]
+    rows, s = micro_batch * plan["rows_per_sample"], plan["sequence_length"]
+    dtype = dtype_of(precision)
+    q, k, v = (torch.randn(rows, heads, s, head_dim, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    grad = torch.ones(rows, heads, s, head_dim, device=device, dtype=dtype)
+
+    mask = torch.ones(s, s, device=device, dtype=torch.bool).tril()
+    scale = head_dim ** -0.5
+
+    def core() -> None:
+        if plan["eager_attention"]:
+            scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+            out = torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), v)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(grad)
+
+    return [layers * seconds for seconds in timer.rounds(core)]
+
+
+def adam_rounds(timer: Timer, *, elements: int, device: Any, host: bool) -> list[float]:
+    """One Adam step over ``elements`` fp32 parameters: torch's on the device (fused on CUDA, foreach on CPU), or
+    DeepSpeedCPUAdam on the host (``host``; the op the study's offloaded candidates step with)."""
+    torch = timer.torch
+    param = torch.nn.Parameter(torch.zeros(elements, device="cpu" if host else device))
+    param.grad = torch.full_like(param, 1e-3)
+    if host:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam([param], lr=1e-4)
+    else:
+        cuda = param.device.type == "cuda"
+        optimizer = torch.optim.Adam([param], lr=1e-4, fused=cuda or None, foreach=None if cuda else True)
+    return timer.rounds(optimizer.step)
+
+
+def copy_rounds(timer: Timer, *, size: int, device: Any, pinned: bool, to_device: bool) -> list[float]:
+    """One copy of ``size`` bytes host→device (``to_device``) or back; on CPU ranks host memory to host memory."""
+    torch = timer.torch
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=pinned and device.type == "cuda")
+    there = torch.empty(size, dtype=torch.uint8, device=device)
+    if to_device:
+        return timer.rounds(lambda: there.copy_(host, non_blocking=pinned))
+    return timer.rounds(lambda: host.copy_(there, non_blocking=pinned))
+
+
+def nvme_rounds(folder: Path, *, size: int, write: bool) -> list[float]:
+    """Seconds to write ``size`` bytes to a file in ``folder`` and fsync it, or to read it back with the page cache
+    told to drop it first (``posix_fadvise(DONTNEED)``), per round."""
+    data = os.urandom(1 << 20) * max(1, size // (1 << 20))
+    fd, name = tempfile.mkstemp(dir=folder, prefix=".dsopt-probe-")
+    seconds = []
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        for _ in range(ROUNDS):
+            if write:
+                begin = time.perf_counter()
+                with open(name, "wb") as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
+            else:
+                with open(name, "rb") as src:
+                    os.posix_fadvise(src.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                    begin = time.perf_counter()
+                    while src.read(1 << 24):
+                        pass
+            seconds.append(time.perf_counter() - begin)
+    finally:
+        Path(name).unlink(missing_ok=True)
+    return seconds
+
+
+def collective_rounds(timer: Timer, *, kind: str, size: int, device: Any, ranks: int) -> list[float]:
+    """One ``all_reduce``, ``reduce_scatter`` or ``all_gather`` of a ``size``-byte buffer (the gathered result's
+    size) through ``deepspeed.comm``; every rank runs rank 0's repetition count."""
+    import deepspeed.comm as dist
+
+    torch = timer.torch
+    elements = max(ranks, size // 4 // ranks * ranks)
+    whole = torch.ones(elements, device=device)
+    part = torch.ones(elements // ranks, device=device)
+    op = {"all_reduce": lambda: dist.all_reduce(whole),
+          "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole),
+          "all_gather": lambda: dist.all_gather_into_tensor(whole, part)}[kind]
+    count = torch.tensor([timer.repeats_for(op)], device=device)
+    dist.broadcast(count, src=0)
+    return timer.rounds(op, repeats=int(count.item()))
+
+
+def run(plan: dict[str, Any]) -> dict[str, Any]:
+    """Every operation of ``plan`` on this rank (module doc); the rank's report."""
+    import deepspeed.comm as dist
+    import torch
+
+    cuda = plan["accelerator"] == "cuda"
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+    timer, figures, skipped = Timer(device), [], []
+    begin = time.perf_counter()
+
+    def measure(what: dict[str, Any], rounds: Callable[[], list[float]]) -> None:
+        dist.barrier()
+        try:
+            figures.append({**what, "rounds_s": rounds()})
+        except Exception as err:  # an operation this machine cannot run is a finding, not a crash
+            skipped.append({"what": " ".join(str(v) for v in what.values() if v), "why": f"{type(err).__name__}: "
+                            f"{str(err).splitlines()[0][:200] if str(err) else ''}"})
+
+    for precision in plan["precisions"]:
+        for micro_batch in plan["micro_batches"]:
+            tag = {"precision": precision, "micro_batch": micro_batch}
+            measure({"kind": "gemm", **tag, "work": plan["gemm_flops"][str(micro_batch)]},
+                    lambda t=tag: gemm_rounds(timer, plan, device=device, **t))
+            measure({"kind": "attention", **tag, "work": plan["attention_flops"][str(micro_batch)]},
+                    lambda t=tag: attention_rounds(timer, plan, device=device, **t))
+    if plan["device_adam_elements"]:
+        measure({"kind": "device_adam", "work": plan["device_adam_elements"]},
+                lambda: adam_rounds(timer, elements=plan["device_adam_elements"], device=device, host=False))
+    if plan["host_adam_elements"]:
+        measure({"kind": "host_adam", "work": plan["host_adam_elements"]},
+                lambda: adam_rounds(timer, elements=plan["host_adam_elements"], device=device, host=True))
+    for pinned in ((True, False) if cuda else (False,)):
+        for to_device in ((True, False) if cuda else (True,)):
+            if plan["copy_bytes"]:
+                variant = f"{'pinned' if pinned else 'pageable'} {'h2d' if to_device else 'd2h'}" if cuda else "host"
+                measure({"kind": "copy", "variant": variant, "work": plan["copy_bytes"]},
+                        lambda p=pinned, d=to_device: copy_rounds(timer, size=plan["copy_bytes"], device=device,
+                                                                  pinned=p, to_device=d))
+    if plan["memory_bytes"]:
+        source = torch.empty(plan["memory_bytes"], dtype=torch.uint8, device=device)
+        target = torch.empty_like(source)
+        measure({"kind": "memory", "work": 2 * plan["memory_bytes"]},
+                lambda: timer.rounds(lambda: target.copy_(source)))
+    ranks = dist.get_world_size()
+    if ranks > 1:
+        for kind in ("all_reduce", "reduce_scatter"):
+            if plan["reduce_bytes"]:
+                measure({"kind": kind, "work": plan["reduce_bytes"]},
+                        lambda k=kind: collective_rounds(timer, kind=k, size=plan["reduce_bytes"], device=device,
+                                                         ranks=ranks))
+        for size in plan["gather_bytes"]:
+            measure({"kind": "all_gather", "variant": f"{size} B", "work": size},
+                    lambda s=size: collective_rounds(timer, kind="all_gather", size=s, device=device, ranks=ranks))
+    if plan["nvme_path"] and local == 0:  # one writer per node: the ranks share its NVMe
+        for write in (True, False):
+            kind = "nvme_write" if write else "nvme_read"
+            try:
+                figures.append({"kind": kind, "work": plan["nvme_bytes"],
+                                "rounds_s": nvme_rounds(Path(plan["nvme_path"]), size=plan["nvme_bytes"],
+                                                        write=write)})
+            except OSError as err:
+                skipped.append({"what": kind, "why": f"{plan['nvme_path']}: {err.strerror or err}"})
+    dist.barrier()
+    return {"rank": dist.get_rank(), "seconds": time.perf_counter() - begin, "figures": figures, "skipped": skipped}
+
+
+def main(argv: list[str]) -> int:
+    plan_path, out_dir = Path(argv[0]), Path(argv[1])
+    from launchers.rank.cpu_info import install as keep_cpu_info
+
+    keep_cpu_info()  # DeepSpeed's op loads ask py-cpuinfo; once per node (launchers/rank/cpu_info.py)
+    report = run(json.loads(plan_path.read_text()))
+    (out_dir / f"rank{report['rank']}.json").write_text(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

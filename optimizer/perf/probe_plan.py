@@ -1,0 +1,176 @@
+"""What the probe times for a study, and what the time model reads from it (pure).
+
+:func:`probe_plan` derives, from the study alone, the operations its candidates run at their own shapes — so a
+probe answers for *this* model on *this* machine, not for a datasheet's ideal GEMM:
+
+* **GEMMs**: each distinct weight shape of the model — per block Q and O (h×h), K and V (h×kv·d), the MLP's
+  h×f and f×h (GELU: one up projection; SwiGLU: gate and up), ``layers`` times, and the LM head h×V — as a
+  micro-batch of T = rows·s tokens runs it: forward X·Wᵀ, the input gradient dY·W and the weight gradient
+  dYᵀ·X (the three GEMMs of ``torch.nn.functional.linear``'s autograd), in each precision of the search space
+  (and the hardware's) at each micro-batch size of the space. Counted as the time model counts them: 2 FLOPs per
+  weight element and token for each of the three (:mod:`optimizer.perf.throughput`, **compute**).
+* **attention**: the core, softmax(QKᵀ/√d)·V with its backward, at (micro-batch, heads, s, d), as the model runs
+  it (eager: two matmuls and a softmax; fused: ``scaled_dot_product_attention``) — counted, as the
+  time model does, as 2·s·h FLOPs per token and layer forward and twice that backward.
+* **optimizer steps**: Adam on the device over Ψtr parameters, DeepSpeedCPUAdam on the host over one rank's
+  partition Ψtr/W where the space offloads the optimizer (both capped at :data:`MAX_ELEMENTS`).
+* **copies**: host↔device where the space offloads (pinned and pageable; on CPU ranks host memory to host memory),
+  device-memory bandwidth where the model has a 4-bit base (its dequantization, :mod:`optimizer.perf.four_bit_work`).
+* **collectives** across the node's ranks: all-reduce and reduce-scatter at the gradient bucket
+  (``reduce_bucket_size``, :mod:`optimizer.deepspeed.zero_settings`), all-gather at the ZeRO-1/2 gather bucket and
+  at ZeRO-3's prefetch bucket.
+* **NVMe**: write and read at ``hardware.nvme_path`` where the space offloads to NVMe.
+
+:func:`probe_rates` turns the probe into the time model's seconds per unit (:class:`~optimizer.perf.throughput.Rates`)
+with the per-micro-batch shape of the compute rate (:attr:`Rates.flop_factors`): the machine's kernels are not
+linear in FLOPs (a CPU's bf16 GEMM runs 2.3× faster per FLOP at micro-batch 4 than at 1; fp32 1.04×).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from optimizer.deepspeed.zero_settings import zero_settings
+from optimizer.ledger.transformer import four_bit_weights, trainable_count
+from optimizer.study.knobs import OffloadDevice, Precision, ZeroStage
+from optimizer.study.machine_probe import MachineProbe
+from optimizer.study.specs import Accelerator, AttentionKind, MlpKind, TransformerModel, baseline_candidate
+from optimizer.study.study_file import StudySpec
+
+MAX_ELEMENTS = 1 << 24
+"""Largest buffer a probe allocates (elements): 64 MB in fp32 — a rate, not a capacity, is measured."""
+MAX_ELEMENTS_CPU = 1 << 22
+"""The same on CPU ranks, which share the host with everything else."""
+NVME_PROBE_BYTES = 64 << 20
+"""Bytes written to and read from the NVMe folder."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProbePlan:
+    """What one probe times (module doc); JSON for the ranks by :meth:`to_json`."""
+
+    accelerator: str
+    """``cuda`` or ``cpu``."""
+    ranks: int
+    """Ranks per node: all of them time at once, as they train."""
+    gemm_shapes: tuple[tuple[int, int, int], ...]
+    """(in features, out features, how many such weights the model has)."""
+    attention: tuple[int, int, int, int]
+    """(heads, kv heads, head dim, layers)."""
+    eager_attention: bool
+    """The model materialises the scores (``model.attention: eager``: matmul, softmax, matmul) rather than calling a
+    fused kernel (``scaled_dot_product_attention``)."""
+    sequence_length: int
+    """s."""
+    rows_per_sample: int
+    """Sequences per sample (DPO: 2)."""
+    precisions: tuple[str, ...]
+    """Precisions the space trains in (and the hardware supports)."""
+    micro_batches: tuple[int, ...]
+    """Micro-batch sizes of the space."""
+    device_adam_elements: int
+    """Parameters of the device Adam step timed (0: not timed)."""
+    host_adam_elements: int
+    """Parameters of DeepSpeedCPUAdam's step timed (0: the space does not offload the optimizer)."""
+    copy_bytes: int
+    """Bytes of a host↔device copy timed (0: the space offloads nothing)."""
+    memory_bytes: int
+    """Bytes of a device-memory copy timed (0: no 4-bit base)."""
+    reduce_bytes: int
+    """Bytes of the all-reduce and reduce-scatter timed (0: one rank)."""
+    gather_bytes: tuple[int, ...]
+    """Bytes of each all-gather timed (ZeRO-1/2's bucket, ZeRO-3's prefetch bucket; empty: one rank)."""
+    nvme_path: str | None
+    """Folder of the NVMe reads and writes (None: the space does not offload to NVMe)."""
+    nvme_bytes: int
+    """Bytes written and read there."""
+
+    def gemm_flops(self, micro_batch: int) -> float:
+        """FLOPs of the GEMMs of one micro-step's forward + backward, as the time model counts them (module doc)."""
+        tokens = micro_batch * self.rows_per_sample * self.sequence_length
+        return float(sum(3 * 2 * fan_in * fan_out * count for fan_in, fan_out, count in self.gemm_shapes) * tokens)
+
+    def attention_flops(self, micro_batch: int) -> float:
+        """FLOPs of the attention cores' forward + backward of one micro-step, as the time model counts them:
+        3 × 2·L·s·h per token (:mod:`optimizer.perf.throughput`, **compute**)."""
+        heads, _, head_dim, layers = self.attention
+        tokens = micro_batch * self.rows_per_sample * self.sequence_length
+        return float(3 * 2 * layers * self.sequence_length * heads * head_dim * tokens)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"accelerator": self.accelerator, "ranks": self.ranks,
+                "gemm_shapes": [list(s) for s in self.gemm_shapes], "attention": list(self.attention),
+                "eager_attention": self.eager_attention,
+                "sequence_length": self.sequence_length,
+                "rows_per_sample": self.rows_per_sample, "precisions": list(self.precisions),
+                "micro_batches": list(self.micro_batches), "device_adam_elements": self.device_adam_elements,
+                "host_adam_elements": self.host_adam_elements, "copy_bytes": self.copy_bytes,
+                "memory_bytes": self.memory_bytes, "reduce_bytes": self.reduce_bytes,
+                "gather_bytes": list(self.gather_bytes), "nvme_path": self.nvme_path, "nvme_bytes": self.nvme_bytes,
+                "gemm_flops": {str(b): self.gemm_flops(b) for b in self.micro_batches},
+                "attention_flops": {str(b): self.attention_flops(b) for b in self.micro_batches}}
+
+
+def gemm_shapes(model: TransformerModel) -> tuple[tuple[int, int, int], ...]:
+    """The model's weight shapes as (in, out, count): per block Q, O (h→h), K, V (h→kv·d), the MLP (GELU h→f, f→h;
+    SwiGLU two h→f and f→h), and the LM head h→V (tied or not, it is one GEMM per token)."""
+    h, f, L = model.hidden_size, model.ffn_size, model.layers
+    kv = model.kv_heads * model.head_dim
+    counts: dict[tuple[int, int], int] = {}
+    up = 2 if model.mlp is MlpKind.SWIGLU else 1
+    for shape, n in (((h, h), 2), ((h, kv), 2), ((h, f), up), ((f, h), 1)):
+        counts[shape] = counts.get(shape, 0) + n * L
+    counts[(h, model.vocab_size)] = counts.get((h, model.vocab_size), 0) + 1
+    return tuple((fan_in, fan_out, n) for (fan_in, fan_out), n in counts.items())
+
+
+def probe_plan(spec: StudySpec) -> ProbePlan:
+    """What a probe of ``spec``'s machine times (module doc)."""
+    model, hardware = spec.model, spec.hardware
+    assert isinstance(model, TransformerModel)
+    base = spec.training
+    candidates = list(spec.search_space.candidates(baseline_candidate(base)))
+    precisions = tuple(p.value for p in Precision if p in hardware.supported_precisions
+                       and any(c.precision is p for c in candidates))
+    micro_batches = tuple(sorted({c.micro_batch_size for c in candidates}))
+    cpu = hardware.accelerator is Accelerator.CPU
+    cap = MAX_ELEMENTS_CPU if cpu else MAX_ELEMENTS
+    trainable = trainable_count(model)
+    ranks = hardware.gpus_per_node
+    b = 2 if any(p != Precision.FP32.value for p in precisions) else 4
+    offload_opt = any(c.offload_optimizer is not OffloadDevice.NONE for c in candidates)
+    offload_any = offload_opt or any(c.offload_param is not OffloadDevice.NONE for c in candidates)
+    nvme = any(OffloadDevice.NVME in (c.offload_optimizer, c.offload_param) for c in candidates)
+    stages = {c.zero_stage for c in candidates}
+    gather: list[int] = []
+    reduce_bytes = 0
+    if hardware.world_size > 1:
+        settings = zero_settings(model=model, stage=ZeroStage.GRADIENTS)
+        reduce_bytes = min(settings.reduce_bucket_elements, trainable, cap) * b
+        if stages & {ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS}:
+            gather.append(min(settings.allgather_bucket_elements, trainable, cap) * b)
+        if ZeroStage.PARAMETERS in stages:
+            gather.append(min(zero_settings(model=model, stage=ZeroStage.PARAMETERS).prefetch_bucket_elements,
+                              cap) * b)
+    four_bit = four_bit_weights(model).elements > 0
+    return ProbePlan(
+        accelerator=hardware.accelerator.value, ranks=ranks, gemm_shapes=gemm_shapes(model),
+        attention=(model.heads, model.kv_heads, model.head_dim, model.layers),
+        eager_attention=model.attention is AttentionKind.EAGER, sequence_length=base.sequence_length,
+        rows_per_sample=model.rows(1), precisions=precisions, micro_batches=micro_batches,
+        device_adam_elements=min(trainable, cap), host_adam_elements=min(-(-trainable // hardware.world_size), cap)
+        if offload_opt else 0,
+        copy_bytes=min(-(-trainable // hardware.world_size), cap) * b if offload_any else 0,
+        memory_bytes=cap * 2 if four_bit else 0, reduce_bytes=reduce_bytes, gather_bytes=tuple(sorted(set(gather))),
+        nvme_path=hardware.nvme_path if nvme else None, nvme_bytes=NVME_PROBE_BYTES if nvme else 0)
+
+
+def compute_rate(probe: MachineProbe, *, precision: str, micro_batch: int) -> float | None:
+    """Seconds per FLOP (as the time model counts them) of the GEMMs and attention at ``precision`` and
+    ``micro_batch``; None when the probe lacks either."""
+    gemm = probe.find("gemm", precision=precision, micro_batch=micro_batch)
+    attention = probe.find("attention", precision=precision, micro_batch=micro_batch)
+    if gemm is None or attention is None:
+        return None
+    return (gemm.median_s + attention.median_s) / (gemm.work + attention.work)

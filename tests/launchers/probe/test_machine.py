@@ -1,0 +1,68 @@
+"""The probe's ranks merged into one figure per operation, its cache key, and `dsopt probe`'s refusals (no launch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launchers.probe.machine import cache_key, merge, with_probe
+from optimizer.cli import main
+from optimizer.perf.probe_plan import probe_plan
+from optimizer.study.study_file import load_study
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_merge_takes_the_slowest_ranks_median_and_every_rounds_spread():
+    plan = probe_plan(load_study(ROOT / "studies" / "grid-cpu.yaml"))
+    reports = [{"rank": 0, "seconds": 2.0, "skipped": [{"what": "host_adam", "why": "not built"}],
+                "figures": [{"kind": "all_reduce", "work": 8192, "rounds_s": [1.0, 2.0, 3.0, 4.0, 5.0]}]},
+               {"rank": 1, "seconds": 3.0, "skipped": [{"what": "host_adam", "why": "not built"}],
+                "figures": [{"kind": "all_reduce", "work": 8192, "rounds_s": [0.5, 6.0, 7.0, 8.0, 9.0]}]}]
+    probe = merge(reports, plan=plan, machine="here")
+    (figure,) = probe.figures
+    assert (figure.median_s, figure.low_s, figure.high_s, figure.repeats) == (7.0, 0.5, 9.0, 5)
+    assert probe.seconds == 3.0 and probe.ranks == 2 and probe.skipped == (("host_adam", "not built"),)
+
+
+def test_cache_key_is_the_plan_and_the_machine(monkeypatch):
+    study = load_study(ROOT / "studies" / "grid-cpu.yaml")
+    demo = load_study(ROOT / "studies" / "demo-cpu.yaml")
+    plan = probe_plan(study)
+    assert cache_key(plan) == cache_key(probe_plan(demo))  # the same shapes and space: one probe serves both
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert cache_key(probe_plan(load_study(ROOT / "studies" / "llama-7b-8xh100.yaml"))) != cache_key(plan)
+
+
+def test_a_cuda_study_on_a_machine_without_cuda_keeps_its_profile(capsys):
+    study = load_study(ROOT / "studies" / "llama-7b-8xh100.yaml")
+    said: list[str] = []
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert with_probe(study, say=said.append) is study
+    assert "no probe of this machine (the study trains on CUDA GPUs and this machine has none)" in said[0]
+
+
+@pytest.mark.parametrize(("study", "says"), [
+    ("seed-1b-2x24gb.yaml", "model.kind: a seed-mode model has no shape to probe"),
+    ("llama-7b-8xh100.yaml", "hardware"),
+])
+def test_dsopt_probe_refuses_what_it_cannot_probe(study, says, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path))
+    assert main(["probe", str(ROOT / "studies" / study)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err and study in err
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_nvme_rounds_write_and_read_a_file_and_leave_nothing(tmp_path):
+    from launchers.rank.probe_rank import ROUNDS, nvme_rounds
+
+    for write in (True, False):
+        seconds = nvme_rounds(tmp_path, size=2 << 20, write=write)
+        assert len(seconds) == ROUNDS and all(s > 0 for s in seconds)
+    assert not any(tmp_path.iterdir())

@@ -1,0 +1,133 @@
+"""What the probe times for a study, and how the time model reads a probe (pure; no probe is run here — the figures
+below are written by hand to check the arithmetic; tests/real/deepspeed/test_probe_real.py runs real ones)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from optimizer.perf.calibration import TimeSample, fit_rates
+from optimizer.perf.probe_plan import MAX_ELEMENTS_CPU, gemm_shapes, probe_plan
+from optimizer.perf.throughput import FEATURES, Rates, predict, profile_rates, work
+from optimizer.study.hardware_profiles import profile_named
+from optimizer.study.knobs import Precision, ZeroStage, with_knobs
+from optimizer.study.machine_probe import MachineProbe, ProbeFigure
+from optimizer.study.specs import HardwareSpec, MlpKind, TransformerModel, baseline_candidate
+from optimizer.study.study_file import load_study
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def figure(kind: str, seconds: float, work_: float, **kw) -> ProbeFigure:
+    return ProbeFigure(kind=kind, work=work_, median_s=seconds, low_s=seconds * 0.9, high_s=seconds * 1.2, repeats=5,
+                       **kw)
+
+
+def test_gemm_shapes_are_the_models_weights():
+    # Llama-2-7B's shape: per block q, o 4096², k, v 4096·4096 (no GQA), gate, up 4096·11008, down 11008·4096;
+    # head 4096·32000: 6,476,005,376 + 131,072,000 weight elements (Hugging Face's 6,738,415,616 less the
+    # embedding's 131,072,000 and the 2·32·4096 + 4096 RMSNorm weights).
+    model = TransformerModel(layers=32, hidden_size=4096, heads=32, kv_heads=32, ffn_size=11008, vocab_size=32000,
+                             mlp=MlpKind.SWIGLU, tied_embeddings=False)
+    shapes = gemm_shapes(model)
+    assert sum(i * o * n for i, o, n in shapes) == 6_738_415_616 - 131_072_000 - (2 * 32 + 1) * 4096
+    assert dict(((i, o), n) for i, o, n in shapes)[(4096, 11008)] == 64  # gate and up per block
+
+
+def test_plan_follows_the_space():
+    study = load_study(ROOT / "studies" / "grid-cpu.yaml")
+    plan = probe_plan(study)
+    assert plan.precisions == ("fp32", "bf16") and plan.micro_batches == (1, 2, 4)
+    assert plan.ranks == 2 and plan.accelerator == "cpu" and plan.eager_attention  # grid-cpu: attention: eager
+    assert plan.host_adam_elements > 0 and plan.copy_bytes > 0  # offload_optimizer: [none, cpu]
+    assert plan.reduce_bytes > 0 and len(plan.gather_bytes) == 2  # ZeRO-1/2's gather bucket and ZeRO-3's prefetch
+    assert plan.nvme_path is None and plan.memory_bytes == 0
+    narrow = replace(study, search_space=replace(study.search_space, values=(
+        ("zero_stage", (ZeroStage.DISABLED,)), ("precision", (Precision.FP32,)))))
+    plan = probe_plan(narrow)
+    assert plan.precisions == ("fp32",) and plan.micro_batches == (study.training.micro_batch_size,)
+    assert plan.host_adam_elements == 0 and plan.copy_bytes == 0 and plan.gather_bytes == ()
+    one = replace(narrow, hardware=replace(narrow.hardware, gpus_per_node=1))
+    assert probe_plan(one).reduce_bytes == 0  # one rank: no collective to time
+    assert probe_plan(study).device_adam_elements <= MAX_ELEMENTS_CPU
+
+
+def test_plan_counts_flops_as_the_time_model_does():
+    study = load_study(ROOT / "studies" / "grid-cpu.yaml")
+    plan = probe_plan(study)
+    candidate = with_knobs(baseline_candidate(study.training), dict(zero_stage=0, precision="fp32",
+                           checkpointing="none", micro_batch_size=2, offload_optimizer="none"))
+    job = work(candidate=candidate, model=study.model, hardware=study.hardware, training=study.training)
+    per_micro_step = job.flops / job.micro_steps
+    # the time model counts biases and norms as 2 FLOPs per element too (Kaplan's 2·N); the GEMMs are the rest
+    assert plan.gemm_flops(2) + plan.attention_flops(2) == pytest.approx(per_micro_step, rel=0.02)
+    assert plan.gemm_flops(4) == 2 * plan.gemm_flops(2)
+
+
+def test_probe_json_round_trip_and_refusals():
+    probe = MachineProbe(machine="m", measured_at="2026-12-06T00:00:00+00:00", ranks=2, seconds=1.0,
+                         figures=(figure("gemm", 1e-3, 1e9, precision="bf16", micro_batch=2),),
+                         skipped=(("host_adam", "not built"),))
+    assert MachineProbe.from_json(probe.to_json()) == probe
+    with pytest.raises(ValueError, match="format"):
+        MachineProbe.from_json({**probe.to_json(), "format": 0})
+    with pytest.raises(ValueError, match="kind"):
+        figure("gemv", 1e-3, 1.0)
+    with pytest.raises(ValueError, match="low <= median"):
+        ProbeFigure(kind="copy", work=1.0, median_s=1.0, low_s=2.0, high_s=3.0, repeats=1)
+
+
+def two_rank_probe() -> MachineProbe:
+    return MachineProbe(machine="m", measured_at="2026-12-06T00:00:00+00:00", ranks=2, seconds=1.0, figures=(
+        figure("gemm", 4e-3, 1e9, precision="fp32", micro_batch=1), figure("attention", 1e-3, 1e8, precision="fp32",
+                                                                         micro_batch=1),
+        figure("gemm", 6e-3, 2e9, precision="fp32", micro_batch=2), figure("attention", 1.5e-3, 2e8, precision="fp32",
+                                                                         micro_batch=2),
+        figure("gemm", 8e-3, 4e9, precision="fp32", micro_batch=4), figure("attention", 2e-3, 4e8, precision="fp32",
+                                                                         micro_batch=4),
+        figure("all_reduce", 2e-3, 1e6), figure("all_gather", 1e-3, 1e6, variant="1000000 B"),
+        figure("all_gather", 5e-4, 1e5, variant="100000 B"), figure("host_adam", 1e-3, 1e6),
+        figure("copy", 1e-3, 1e7, variant="pinned h2d"), figure("copy", 9e-3, 1e7, variant="pageable h2d")))
+
+
+def test_probed_rates_take_each_figure_the_probe_has():
+    hardware = HardwareSpec(gpus_per_node=2, gpu_memory_bytes=80 * 10**9, profile=profile_named("h100-80gb"))
+    plain = profile_rates(hardware=hardware)
+    rates = profile_rates(hardware=replace(hardware, probe=two_rank_probe()))
+    got = dict(zip(FEATURES, rates.seconds_per, strict=True))
+    assert got["flops_fp32"] == pytest.approx((6e-3 + 1.5e-3) / (2e9 + 2e8))  # the middle micro-batch: 2
+    factors = {(p, b): f for p, b, f in rates.flop_factors}
+    assert factors[("fp32", 4)] == pytest.approx(((8e-3 + 2e-3) / 4.4e9) / ((6e-3 + 1.5e-3) / 2.2e9))
+    assert got["comm_bytes"] == pytest.approx(2e-3 / (2 * 0.5 * 1e6))  # all-reduce: 2·(W−1)/W of the buffer moves
+    assert got["comm_bytes_z3"] == pytest.approx(1e-3 / (0.5 * 1e6))  # the largest all-gather: (W−1)/W
+    assert got["pcie_bytes"] == pytest.approx(1e-3 / 1e7)  # pinned, as DeepSpeed's offload buffers are
+    assert got["host_params"] == pytest.approx(1e-9)
+    untouched = dict(zip(FEATURES, plain.seconds_per, strict=True))
+    assert got["flops_16bit"] == untouched["flops_16bit"] and got["nvme_bytes"] == untouched["nvme_bytes"]
+    assert rates.source.startswith("probe 2026-12-06T00:00") and "profile h100-80gb (flops_16bit" in rates.source
+    two_nodes = replace(hardware, nodes=2, inter_node_bytes_per_s=25e9)  # the probe times one node's ranks only
+    probed = profile_rates(hardware=replace(two_nodes, probe=two_rank_probe()))
+    assert probed.seconds_per[FEATURES.index("comm_bytes")] == 1 / 25e9
+
+
+def test_flop_factors_shape_prediction_and_calibration_alike():
+    study = load_study(ROOT / "studies" / "grid-cpu.yaml")
+    base = baseline_candidate(study.training)
+    truth = Rates(seconds_per=(2e-11, 1e-11, 1e-7, 1e-7, 1e-10, 1e-9, None, 0.01, 0.03, 0.04, 0.05, None),
+                  source="truth", overlap_z3=False, flop_factors=(("bf16", 1, 2.0), ("bf16", 4, 0.5)))
+    samples = []
+    for stage in (0, 1, 2, 3):
+        for mbs in (1, 2, 4):
+            c = with_knobs(base, dict(zero_stage=stage, precision="bf16", micro_batch_size=mbs,
+                                      offload_optimizer="none"))
+            job = work(candidate=c, model=study.model, hardware=study.hardware, training=study.training)
+            samples.append(TimeSample(work=job, step_time_s=predict(job=job, rates=truth, ranks=2).total_s))
+    one = samples[0].work
+    assert truth.features(one)[1] == 2.0 * one.vector()[1]  # bf16 at micro-batch 1: twice the seconds per FLOP
+    prior = replace(truth, seconds_per=tuple(None if v is None else v * 3 for v in truth.seconds_per))
+    fitted = fit_rates(samples, prior=prior)
+    assert fitted.flop_factors == truth.flop_factors
+    for sample in samples:  # the factors carried into the fit: every step time recovered
+        assert predict(job=sample.work, rates=fitted, ranks=2).total_s == pytest.approx(sample.step_time_s, rel=0.02)

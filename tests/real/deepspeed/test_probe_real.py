@@ -1,0 +1,53 @@
+"""`dsopt probe` on 2 real CPU ranks: every operation the plan lists timed on both ranks (DeepSpeedCPUAdam, gloo
+through deepspeed.comm), merged, cached per machine — and the time model reading it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from launchers.probe.machine import cached_probe, with_probe
+from launchers.rank.probe_rank import ROUNDS
+from optimizer.cli import main
+from optimizer.perf.probe_plan import probe_plan
+from optimizer.perf.throughput import FEATURES, profile_rates
+from optimizer.study.study_file import load_study
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_dsopt_probe_times_every_planned_operation_and_caches_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path / "cache"))
+    shutil.copy(ROOT / "studies" / "demo-cpu.yaml", tmp_path / "demo-cpu.yaml")
+    study_file = str(tmp_path / "demo-cpu.yaml")
+    assert main(["probe", study_file, "--json"]) == 0
+    out, err = capsys.readouterr()
+    probe = json.loads(out)["probe"]
+    assert "probe done in" in err and probe["ranks"] == 2 and probe["skipped"] == []
+    plan = probe_plan(load_study(study_file))
+    timed = {(f["kind"], f["precision"], f["micro_batch"]) for f in probe["figures"]}
+    for precision in plan.precisions:
+        for micro_batch in plan.micro_batches:
+            assert {("gemm", precision, micro_batch), ("attention", precision, micro_batch)} <= timed
+    kinds = {f["kind"] for f in probe["figures"]}
+    assert {"device_adam", "host_adam", "copy", "all_reduce", "reduce_scatter", "all_gather"} <= kinds
+    for f in probe["figures"]:
+        assert 0 < f["low_s"] <= f["median_s"] <= f["high_s"] and f["repeats"] == ROUNDS
+    gemm = next(f for f in probe["figures"] if f["kind"] == "gemm" and f["micro_batch"] == plan.micro_batches[0])
+    assert gemm["work"] == plan.gemm_flops(plan.micro_batches[0])
+
+    assert main(["probe", study_file]) == 0  # the second time: the cache, no launch
+    out, err = capsys.readouterr()
+    assert "(cached)" in err and "| gemm fp32 mbs=1 |" in out and "probe done" not in err
+    study = with_probe(load_study(study_file))
+    assert study.hardware.probe == cached_probe(study)
+    rates = profile_rates(hardware=study.hardware)
+    known = dict(zip(FEATURES, rates.seconds_per, strict=True))
+    assert all(known[name] for name in ("flops_fp32", "flops_16bit", "comm_bytes", "comm_bytes_z3", "pcie_bytes",
+                                        "host_params"))
+    assert known["micro_steps_z0"] is None  # DeepSpeed's per-micro-step cost is not a kernel: trials measure it
