@@ -22,12 +22,14 @@ and train a falling loss.
 ``--dry-run`` runs it all on 2 CPU ranks (``DS_ACCELERATOR=cpu``) with tiny shapes and the same band; an fp16
 row on a CPU that DeepSpeed's CPU accelerator refuses fp16 on is reported ``unsupported`` and not counted as a
 failure there (only there); the Trainer part runs on one CPU rank in FP32 (the Trainer's CPU mode gives
-DeepSpeed one process). Prints markdown.
+DeepSpeed one process). Before the rows it prints the probe of the machine's kernels at the first row's shapes
+(``dsopt probe``) beside the datasheet of the profile that names the device. Prints markdown.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -228,6 +230,25 @@ def _prepare_ops(studies: list[StudySpec]) -> None:
         prepare_ops(spec=study, gpus=None, worker="gpu-check")
 
 
+def _probe(study: StudySpec, *, dry: bool) -> str:
+    """This machine's kernels at the first row's shapes (``dsopt probe``, measured afresh) beside the datasheet of
+    the built-in profile that names the device (none on CPU ranks): what the first GPU run shows of both."""
+    import torch
+
+    from launchers.probe.machine import ProbeUnavailable, machine_probe
+    from optimizer.cli.probe import table
+    from optimizer.study.hardware_profiles import profile_for_device
+
+    if not dry:
+        found = profile_for_device(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
+        study = dataclasses.replace(study, hardware=dataclasses.replace(study.hardware, profile=found))
+    try:
+        probe = machine_probe(study, refresh=True)
+    except ProbeUnavailable as err:
+        return f"probe: not measured ({err})"
+    return "\n".join(table(study, probe))
+
+
 def _fp16_refused(result: TrialResult, knobs: dict[str, Any], *, dry: bool) -> bool:
     """An fp16 row a CPU refuses: data on CPU ranks (DeepSpeed's CPU accelerator decides), a failure on a GPU."""
     return dry and knobs.get("precision") == "fp16" and result.outcome is Outcome.UNSUPPORTED
@@ -267,6 +288,7 @@ def main() -> int:
         studies = {(model, n): _study(folder, model=model, gpus=n, dry=dry) for model, n, _ in rows}
         if not args.plan:
             _prepare_ops(list(studies.values()))
+            print(_probe(studies[rows[0][0], rows[0][1]], dry=dry) + "\n", flush=True)
         started = time.monotonic()
         references: dict[tuple[str, int], list[float] | None] = {}
         for model, n, knobs in rows:

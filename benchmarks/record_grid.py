@@ -6,7 +6,9 @@ Default: studies/grid-cpu.yaml — the built-in tiny GPT on 2 CPU ranks, 84 vali
 candidate is launched regardless of what the ledger says (that is the point: the replay needs to know what
 a pruned candidate would have measured). The file is rewritten after every trial, so an interrupted
 recording resumes where it stopped. It holds the machine, the versions, the command and the study file's
-hash beside the measurements. Prints one line per candidate; asserts nothing.
+hash beside the measurements, and first of all the probe of the machine's kernels at the study's shapes
+(``dsopt probe``, :mod:`launchers.probe.machine`, measured afresh: the replay's time model uses the figures of the
+machine the grid was recorded on). Prints one line per candidate; asserts nothing.
 
 For each candidate it stores the measured per-rank peak (CPU ranks: the live-tensor peak, which on one
 host memory includes the optimizer states DeepSpeed offloads to the host), the ledger's device and host
@@ -28,6 +30,7 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
+from launchers.probe.machine import machine_probe
 from launchers.trace.inventory import adapted_inventory
 from launchers.trace.study_traces import with_traced_activations
 from launchers.trial.run import check_devices, reference_losses, run_trial
@@ -54,10 +57,20 @@ def machine() -> dict[str, object]:
             "versions": {name: metadata.version(name) for name in ("torch", "deepspeed", "optuna", "dsopt")}}
 
 
+def write(out: Path, data: dict[str, object]) -> None:
+    """The grid file, replaced whole (a reader never sees half of it)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(out)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("study", nargs="?", default=str(ROOT / "studies" / "grid-cpu.yaml"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "data" / "grid-cpu.json"))
+    parser.add_argument("--probe-again", action="store_true", help="replace the grid's probe with one taken now "
+                        "(on the machine that recorded it: the probe says when it was measured)")
     args = parser.parse_args()
     # a study asking for traced activations gets them; one that trains in part, its inventory
     study = with_traced_activations(adapted_inventory(load_study(args.study)))
@@ -69,6 +82,9 @@ def main() -> int:
         data = {"study": study.name, "study_file": os.path.relpath(study.path, ROOT), "study_sha256": study_hash,
                 "command": " ".join(["python", *sys.argv]), "started": datetime.now(UTC).isoformat(),
                 "machine": machine(), "budget_bytes_per_rank": study.hardware.gpu_memory_bytes, "candidates": []}
+    if "probe" not in data or args.probe_again:  # first: the machine's kernels, before the grid's launches load it
+        data["probe"] = machine_probe(study, refresh=True, say=lambda text: print(text, flush=True)).to_json()
+        write(out, data)
     done = {entry["label"] for entry in data["candidates"]}
     reference = reference_losses(study)
     spec = {"model": study.model, "hardware": study.hardware, "training": study.training}
@@ -95,10 +111,7 @@ def main() -> int:
         }
         data["candidates"].append(entry)
         data["finished"] = datetime.now(UTC).isoformat()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        tmp.replace(out)
+        write(out, data)
         peak = (result.peak_memory_bytes or 0) / 1e6
         speed = f"{result.tokens_per_s:,.0f}" if result.tokens_per_s else "-"
         print(f"[{len(data['candidates'])}/{len(candidates)}] {candidate.label()}: {result.outcome.value}, "

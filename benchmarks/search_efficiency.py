@@ -1,13 +1,12 @@
 """Search efficiency: replay search strategies against a recorded grid of real measurements.
 
-    python benchmarks/search_efficiency.py [--grid GRID.json ...] [--seeds 20]
+    python benchmarks/search_efficiency.py [--grid GRID.json ...] [--seeds 20] [--without-probe]
 
-Default: the three recorded grids, benchmarks/data/grid-cpu.json, benchmarks/data/grid-llama-cpu.json and
-benchmarks/data/grid-qwen2-cpu.json.
-
-The grid (benchmarks/record_grid.py) holds one real DeepSpeed measurement per valid candidate. A strategy
-"launches" a candidate by looking its measurement up; what counts is how many launches it needs before it
-has launched a feasible candidate within 2 % of the grid's best feasible throughput.
+Default: the recorded grids benchmarks/data/grid-cpu.json, grid-llama-cpu.json and grid-qwen2-cpu.json. The grid
+(benchmarks/record_grid.py) holds one real DeepSpeed measurement per valid candidate, and the probe of its machine
+where it was recorded with one (the replay's time model uses it unless ``--without-probe``). A strategy "launches"
+a candidate by looking its measurement up; what counts is how many launches it needs before it has launched a
+feasible candidate within 2 % of the grid's best feasible throughput.
 
 Ground truth, per candidate: the device share of the measured peak (measured − the ledger's host items,
 see record_grid.py) above the per-rank budget is an **OOM launch** (on a GPU it would have run out of
@@ -25,18 +24,16 @@ Strategies:
   forward activation memory at micro-batch 1), a probe of the minimum micro-batch, then of ~1.05×, 1×,
   0.95× the maximum, a binary search if none runs, then the top micro-batches; a stage is skipped when its
   computed maximum is below the previous stage's. It tunes neither offload nor precision nor checkpointing
-  (the baseline's are used). Adapted to a fixed global batch (its gradient accumulation follows the
-  micro-batch) and to the space's micro-batch values (a computed size maps to the largest listed one below
-  it). Deterministic: one run.
+  (the baseline's are used), with a fixed global batch and the space's micro-batch values. One run.
 * **tpe** — Optuna's TPE over the same conditional space with no ledger: every sample is launched.
 * **random** — the valid candidates in a random order.
 
 A strategy that samples a candidate it already launched reuses the result (no launch). Reported per strategy
 over the seeds: launches to ≥ 98 % of the best (median, worst; "never" counts as all its launches), OOM
-launches, and for dsopt the false prunes (pruned by the ledger, never launched, measured to fit), the
-risky candidates held on a sampler's proposal and never launched that measured to fit, and the time model's
-Spearman rank correlation with the measured throughput of every ok candidate (calibrated on the trials of a
-run, median over runs). Asserts nothing.
+launches, and for dsopt the false prunes (pruned, never launched, measured to fit), the risky candidates held
+on a sampler's proposal and never launched that measured to fit, and the time model's Spearman ρ with the
+measured throughput of every ok candidate (calibrated on a run's trials, median over runs); and, per grid, the
+time model's ρ before any trial. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -60,14 +57,18 @@ from launchers.trace.inventory import adapted_inventory
 from launchers.trace.study_traces import with_traced_activations
 from optimizer.ledger.core import evaluate
 from optimizer.ledger.transformer import activation_estimate, parameter_count
-from optimizer.perf.throughput import StepTime, predict, work
+from optimizer.perf.throughput import StepTime, predict, profile_rates, work
 from optimizer.results.trial_result import Outcome, RankMeasurement, TrialResult
 from optimizer.search.ordering import candidate_of, study_models
 from optimizer.search.space import branches, sample_candidate
 from optimizer.study.knobs import Candidate, Precision, ZeroStage, parse_knob
+from optimizer.study.machine_probe import MachineProbe
 from optimizer.study.specs import baseline_candidate
 from optimizer.study.study_file import StudySpec, load_study
 from optimizer.study.units import parse_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks/ beside the packages
+from benchmarks.rank_correlation import spearman
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.98
@@ -106,12 +107,15 @@ class Grid:
         return self.feasible(entry) and entry["tokens_per_s"] >= TARGET * self.best_tokens_per_s
 
 
-def load_grid(path: Path, *, budget_bytes: int | None = None) -> Grid:
+def load_grid(path: Path, *, budget_bytes: int | None = None, probe: bool = True) -> Grid:
     """The grid and its ground truth, at the study's per-rank budget or at ``budget_bytes`` (the measurements
-    do not depend on the budget: only what counts as an OOM and which candidates fit)."""
+    do not depend on the budget: only what counts as an OOM and which candidates fit), with the probe recorded
+    with it unless ``probe`` is False (grids recorded before the probe have none)."""
     data = json.loads(path.read_text())
     # as the study itself traces it (and, where it trains in part, counts it)
     spec = with_traced_activations(adapted_inventory(load_study(ROOT / data["study_file"])))
+    if data.get("probe") and probe:  # the kernels of the machine the grid was recorded on (record_grid.py)
+        spec = replace(spec, hardware=replace(spec.hardware, probe=MachineProbe.from_json(data["probe"])))
     if budget_bytes is not None:
         spec = replace(spec, hardware=replace(spec.hardware, gpu_memory_bytes=budget_bytes))
     entries = {e["label"]: e for e in data["candidates"]}
@@ -206,19 +210,6 @@ def spearman_of(grid: Grid, rates) -> float | None:
         predicted.append(step.tokens_per_s)
         measured.append(entry["tokens_per_s"])
     return spearman(predicted, measured) if len(predicted) >= 3 else None
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    def ranks(values: list[float]) -> np.ndarray:
-        order = np.argsort(values, kind="mergesort")
-        r = np.empty(len(values))
-        r[order] = np.arange(len(values), dtype=float)
-        for value in set(values):  # average ranks of ties
-            idx = [i for i, v in enumerate(values) if v == value]
-            r[idx] = r[idx].mean()
-        return r
-
-    return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
 
 
 def run_random(grid: Grid, seed: int) -> Run:
@@ -376,18 +367,21 @@ def main() -> int:
                         help="replay at these per-rank budgets instead of the study's (e.g. '9 MB' '12 MB')")
     parser.add_argument("--strategy", nargs="+", choices=list(STRATEGIES.values()), default=list(STRATEGIES.values()),
                         help="replay only these strategies (default: all)")
+    parser.add_argument("--without-probe", action="store_true",
+                        help="replay as if the grid carried no probe of its machine (the time model from trials only)")
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     budgets = [parse_bytes(text) for text in args.budget] if args.budget else [None]
     for path in args.grid:
         for budget in budgets:
-            report(Path(path), seeds=args.seeds, budget_bytes=budget, strategies=args.strategy)
+            report(Path(path), seeds=args.seeds, budget_bytes=budget, strategies=args.strategy,
+                   probe=not args.without_probe)
     return 0
 
 
-def report(path: Path, *, seeds: int, budget_bytes: int | None, strategies: list[str]) -> None:
+def report(path: Path, *, seeds: int, budget_bytes: int | None, strategies: list[str], probe: bool = True) -> None:
     """The grid's summary and the strategies' table."""
-    grid = load_grid(path, budget_bytes=budget_bytes)
+    grid = load_grid(path, budget_bytes=budget_bytes, probe=probe)
     spec = grid.spec
     entries = list(grid.entries.values())
     feasible = [e for e in entries if grid.feasible(e)]
@@ -403,7 +397,11 @@ def report(path: Path, *, seeds: int, budget_bytes: int | None, strategies: list
           f"({best['label']}); target ≥ {TARGET:.0%} = {TARGET * best['tokens_per_s']:,.0f} tokens/s; "
           f"{sum(grid.hit(e) for e in entries)} candidate(s) reach it")
     print(f"uncalibrated traced ledger: {static_false} false prune(s) of {measured_fit} candidates measured to "
-          f"fit ({static_false / max(1, measured_fit):.1%})\n")
+          f"fit ({static_false / max(1, measured_fit):.1%})")
+    before = profile_rates(hardware=spec.hardware)
+    rho = spearman_of(grid, before)
+    print(f"time model before any trial ({before.source}): "
+          + (f"Spearman ρ {rho:.2f}\n" if rho is not None else "predicts no candidate's speed\n"))
     print("| strategy | runs | launches to ≥98% best, median | worst | OOM launches | false prunes | "
           "held, never launched, measured to fit | time-model Spearman ρ |")
     print("|---|---|---|---|---|---|---|---|")

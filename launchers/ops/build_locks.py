@@ -22,11 +22,12 @@ The rule (:func:`lock_verdict`), for a lock nobody on this node holds open or bu
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -236,3 +237,28 @@ def clear_stale_build_locks(root: Path, *, foreign_after_s: float = FOREIGN_LOCK
                 with contextlib.suppress(OSError):
                     record.unlink()
     return removed
+
+
+@contextlib.contextmanager
+def node_lock(path: Path, *, holder: str, say: Callable[[str], None], doing: str) -> Iterator[float]:
+    """Hold an exclusive ``flock`` on ``path`` (its text names the holder); yields the seconds waited for it. The
+    kernel releases an ``flock`` when its holder dies, so this lock cannot go stale. ``doing``: what the holder does
+    (said while waiting: 'building DeepSpeed ops', 'probing the machine')."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            other = handle.read().strip() or "another worker"
+            say(f"waiting for {other} to finish {doing} on this node ({path})")
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        waited_s = time.monotonic() - start
+        handle.truncate(0)
+        handle.write(holder + "\n")
+        handle.flush()
+        try:
+            yield waited_s
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

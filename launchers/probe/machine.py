@@ -22,12 +22,13 @@ import socket
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from launchers.ops.build_locks import node_lock
 from launchers.trace.cache_dir import cache_dir, source_digest
 from launchers.trace.json_cache import KeyedJsonStore
 from launchers.trial.local import build_launch_plan, execute, extensions_dir, free_port, log_tail
@@ -41,6 +42,8 @@ from optimizer.study.study_file import StudySpec
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 PROBE_TIMEOUT_S = 600.0
 """Longest a probe's launch may run (its operations take seconds; a hung collective must not hang the study)."""
+LOCK_NAME = "dsopt-probe.lock"
+"""The node lock's file, in ``TORCH_EXTENSIONS_DIR`` (beside the ops' lock, :mod:`launchers.study.op_prep`)."""
 CODE = ("launchers.rank.probe_rank", "optimizer.perf.probe_plan", "optimizer.study.machine_probe")
 """The modules whose source is in the cache key: an edit to what is timed or how probes again."""
 
@@ -60,16 +63,18 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_line(plan: ProbePlan) -> str:
-    """The machine a probe of ``plan`` runs on, in one line (host, CPU, cores, GPUs seen, library versions)."""
+def machine_line(plan: ProbePlan, *, gpus: Sequence[str] | None = None) -> str:
+    """The machine a probe of ``plan`` runs on, in one line (host, CPU, cores, the GPUs this worker sees — ``gpus``,
+    its slice of the node, else ``CUDA_VISIBLE_DEVICES`` — and the library versions)."""
     versions = ", ".join(f"{name} {version}" for name, version in installed_versions().items() if version)
-    gpus = "CPU ranks" if plan.accelerator == "cpu" else f"GPUs {os.environ.get('CUDA_VISIBLE_DEVICES', 'all')}"
-    return f"{socket.gethostname()}, {cpu_model()}, {read_cpu_allowance()} cores, {gpus}, {versions}"
+    seen = ",".join(gpus) if gpus is not None else os.environ.get("CUDA_VISIBLE_DEVICES", "all")
+    devices = "CPU ranks" if plan.accelerator == "cpu" else f"GPUs {seen}"
+    return f"{socket.gethostname()}, {cpu_model()}, {read_cpu_allowance()} cores, {devices}, {versions}"
 
 
-def cache_key(plan: ProbePlan) -> str:
+def cache_key(plan: ProbePlan, *, gpus: Sequence[str] | None = None) -> str:
     """The cache key of a probe of ``plan`` on this machine (module doc)."""
-    return json.dumps({"format": PROBE_FORMAT, "machine": machine_line(plan), "code": source_digest(CODE),
+    return json.dumps({"format": PROBE_FORMAT, "machine": machine_line(plan, gpus=gpus), "code": source_digest(CODE),
                        "plan": plan.to_json()}, sort_keys=True)
 
 
@@ -101,8 +106,10 @@ def merge(reports: list[dict[str, Any]], *, plan: ProbePlan, machine: str) -> Ma
                         skipped=tuple(sorted(skipped.items())))
 
 
-def run_probe(spec: StudySpec, *, say: Callable[[str], None] | None = None) -> MachineProbe:
-    """Time ``spec``'s operations on this node's ranks now (module doc); ProbeUnavailable when it cannot."""
+def run_probe(spec: StudySpec, *, gpus: Sequence[str] | None = None,
+              say: Callable[[str], None] | None = None) -> MachineProbe:
+    """Time ``spec``'s operations on this node's ranks now (module doc), on ``gpus`` (this worker's slice of the
+    node; None: the GPUs the process sees); ProbeUnavailable when it cannot."""
     plan = probe_plan(spec)
     cpu = plan.accelerator == Accelerator.CPU.value
     if not cpu:
@@ -115,7 +122,7 @@ def run_probe(spec: StudySpec, *, say: Callable[[str], None] | None = None) -> M
         f"{len(plan.precisions)} precision(s) x {len(plan.micro_batches)} micro-batch size(s), "
         f"{'collectives, ' if plan.reduce_bytes else ''}{'offload copies, ' if plan.copy_bytes else ''}"
         f"{'CPU Adam, ' if plan.host_adam_elements else ''}{'NVMe, ' if plan.nvme_path else ''}optimizer step")
-    machine = machine_line(plan)
+    machine = machine_line(plan, gpus=gpus)
     with tempfile.TemporaryDirectory(prefix="dsopt-probe-") as folder:
         out = Path(folder)
         plan_path = out / "plan.json"
@@ -124,7 +131,7 @@ def run_probe(spec: StudySpec, *, say: Callable[[str], None] | None = None) -> M
             python=sys.executable, ranks=plan.ranks, cpu_ranks=cpu, master_port=free_port(), plan_path=plan_path,
             out_dir=out, base_env=os.environ, pythonpath=[str(PACKAGE_ROOT)], cwd=PACKAGE_ROOT,
             cpu_count=read_cpu_allowance(), launch_id=uuid.uuid4().hex, extensions_dir=extensions_dir(),
-            parent_pid=os.getpid(), rank_module="launchers.rank.probe_rank")
+            parent_pid=os.getpid(), gpus=None if cpu else gpus, rank_module="launchers.rank.probe_rank")
         log = out / "probe.log"
         ended = execute(launch, timeout_s=PROBE_TIMEOUT_S, log_path=log)
         reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
@@ -136,30 +143,36 @@ def run_probe(spec: StudySpec, *, say: Callable[[str], None] | None = None) -> M
     return probe
 
 
-def cached_probe(spec: StudySpec) -> MachineProbe | None:
+def cached_probe(spec: StudySpec, *, gpus: Sequence[str] | None = None) -> MachineProbe | None:
     """The cached probe of ``spec``'s shapes on this machine, or None."""
-    entry = store().get(cache_key(probe_plan(spec)))
+    entry = store().get(cache_key(probe_plan(spec), gpus=gpus))
     try:
         return None if entry is None else MachineProbe.from_json(entry)
     except ValueError:
         return None
 
 
-def machine_probe(spec: StudySpec, *, refresh: bool = False, say: Callable[[str], None] | None = None) -> MachineProbe:
-    """The probe of ``spec``'s shapes on this machine: cached, or run now and cached (``refresh``: run now)."""
-    if not refresh:
-        found = cached_probe(spec)
-        if found is not None:
+def machine_probe(spec: StudySpec, *, refresh: bool = False, gpus: Sequence[str] | None = None,
+                  holder: str = "dsopt", say: Callable[[str], None] | None = None) -> MachineProbe:
+    """The probe of ``spec``'s shapes on this machine: cached, or run now and cached (``refresh``: run now). The run
+    holds a node lock (``<TORCH_EXTENSIONS_DIR>/dsopt-probe.lock``, ``holder`` named in it): the workers of one
+    node starting together probe once — the others wait, then read the cache — and never time each other."""
+    if not refresh and (found := cached_probe(spec, gpus=gpus)) is not None:
+        return found
+    with node_lock(extensions_dir() / LOCK_NAME, holder=holder, say=say or (lambda text: None),
+                   doing="probing the machine"):
+        if not refresh and (found := cached_probe(spec, gpus=gpus)) is not None:
             return found
-    probe = run_probe(spec, say=say)
-    store().put(cache_key(probe_plan(spec)), probe.to_json())
+        probe = run_probe(spec, gpus=gpus, say=say)
+        store().put(cache_key(probe_plan(spec), gpus=gpus), probe.to_json())
     return probe
 
 
-def with_probe(spec: StudySpec, *, say: Callable[[str], None] | None = None) -> StudySpec:
+def with_probe(spec: StudySpec, *, gpus: Sequence[str] | None = None, holder: str = "dsopt",
+               say: Callable[[str], None] | None = None) -> StudySpec:
     """``spec`` with this machine's probe attached (module doc); unchanged, with a line said, where it cannot run."""
     try:
-        probe = machine_probe(spec, say=say)
+        probe = machine_probe(spec, gpus=gpus, holder=holder, say=say)
     except ProbeUnavailable as err:
         if say is not None:
             say(f"no probe of this machine ({err}); the time model uses the profile's figures and the trials'")

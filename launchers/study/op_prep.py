@@ -32,17 +32,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import json
 import os
 import socket
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from launchers.ops.build_locks import node_lock
 from launchers.ops.op_needs import Op, allowed_offloads, missing_reason, note_missing, ops_for, ops_needed
 from launchers.trial.local import execute, extensions_dir
 from launchers.trial.run import cached_reference_losses, reference_candidate, trial_launch_plan
@@ -103,29 +102,6 @@ def study_candidates(spec: StudySpec) -> list[Candidate]:
             and not invalid_reasons(candidate=c, model=spec.model, hardware=spec.hardware, training=spec.training)]
 
 
-@contextlib.contextmanager
-def node_lock(path: Path, *, holder: str, say: Callable[[str], None]) -> Iterator[float]:
-    """Hold an exclusive ``flock`` on ``path`` (its text names the holder); yields the seconds waited for it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    with open(path, "a+") as handle:
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            other = handle.read().strip() or "another worker"
-            say(f"waiting for {other} to finish building DeepSpeed ops on this node ({path})")
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        waited_s = time.monotonic() - start
-        handle.truncate(0)
-        handle.write(holder + "\n")
-        handle.flush()
-        try:
-            yield waited_s
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
 def build_ops(ops: Sequence[Op], *, spec: StudySpec, gpus: Sequence[str] | None, holder: str,
               say: Callable[[str], None], timeout_s: float = OP_BUILD_TIMEOUT_S) -> OpsPrepared:
     """Build or load ``ops`` in one subprocess with a trial's environment, under the node lock (module doc)."""
@@ -138,7 +114,7 @@ def build_ops(ops: Sequence[Op], *, spec: StudySpec, gpus: Sequence[str] | None,
     names = [op.builder + (":optional" if op.optional else "") for op in ops]
     plan = dataclasses.replace(plan, argv=(sys.executable, "-m", "launchers.rank.orphan_guard", str(os.getpid()),
                                            sys.executable, "-m", "launchers.ops.op_load", str(out), *names))
-    with node_lock(extensions_dir() / LOCK_NAME, holder=holder, say=say) as waited_s:
+    with node_lock(extensions_dir() / LOCK_NAME, holder=holder, say=say, doing="building DeepSpeed ops") as waited_s:
         run = execute(plan, timeout_s=timeout_s, log_path=log_path)
     report: dict = {}
     with contextlib.suppress(OSError, ValueError):

@@ -3,10 +3,11 @@
 The loop itself — lease → reference → propose → prune → launch → record → stop — is
 :mod:`optimizer.search.study_loop`, beside the decisions it sequences. This module gives it what only a process
 can: the storage opened (SQLite refused for workers), the study's traces, DeepSpeed's ops built once per node
-before any launch (:mod:`launchers.study.op_prep`), the FP32 reference and every trial as real launches on this
-node (:func:`launchers.trial.run.run_trial`, with the ranks' stop-above limits and the predicted step time for
-the hang timeout), the measured device reserve and capacity recorded after each launch, the warnings a launch
-makes true (the device is not the study's profile, the script trains another model), the progress lines
+before any launch (:mod:`launchers.study.op_prep`), this machine's kernels timed at the study's shapes before the
+seeds are chosen (:mod:`launchers.probe.machine`, cached per machine), the FP32 reference and every trial as real
+launches on this node (:func:`launchers.trial.run.run_trial`, with the ranks' stop-above limits and the predicted
+step time for the hang timeout), the measured device reserve and capacity recorded after each launch, the warnings
+a launch makes true (the device is not the study's profile, the script trains another model), the progress lines
 (:mod:`launchers.study.progress`) and each trial's files in the artifact store.
 """
 
@@ -84,6 +85,7 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     slice of its node's GPUs (:func:`launchers.trial.run.check_devices`), used by every launch including the
     reference; None: every GPU the process sees. ``progress``: what it prints (:mod:`launchers.study.progress`).
     """
+    from launchers.probe.machine import with_probe
     from launchers.trace.study_traces import with_traced_activations
 
     space = branches(spec)  # validate before anything is written
@@ -98,6 +100,8 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     valid = study_candidates(spec)  # judged once: the ops' needs and the ledgers below are of these
     if runner is None:  # DeepSpeed's ops, once per node before any launch; drops what this node cannot build
         spec = prepare_ops(spec=spec, gpus=gpus, worker=worker, candidates=valid)
+        # the machine's kernels at the study's shapes, before the seeds are chosen (cached per machine)
+        spec = with_probe(spec, gpus=gpus, holder=worker, say=lambda text: _say(worker, text))
     base = baseline_candidate(spec.training)
     baseline = reference_candidate(spec)  # the FP32 reference's candidate: its run is a whole trial of it
     ours = baseline in valid and baseline in set(spec.search_space.candidates(base))

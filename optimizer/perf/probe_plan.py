@@ -18,7 +18,11 @@ probe answers for *this* model on *this* machine, not for a datasheet's ideal GE
   device-memory bandwidth where the model has a 4-bit base (its dequantization, :mod:`optimizer.perf.four_bit_work`).
 * **collectives** across the node's ranks: all-reduce and reduce-scatter at the gradient bucket
   (``reduce_bucket_size``, :mod:`optimizer.deepspeed.zero_settings`), all-gather at the ZeRO-1/2 gather bucket and
-  at ZeRO-3's prefetch bucket.
+  at ZeRO-3's prefetch bucket, each also at :data:`WIDE_BYTES`: the time model's seconds per byte is the slope
+  between the two (:func:`collective_beta`), since how many calls a stage makes — one all-reduce of every
+  gradient at ZeRO-0, one per bucket at ZeRO-1/2, one per module at ZeRO-3 — is not in its byte count, and a
+  bucket-sized call on CPU ranks is mostly its latency (gloo: ~1 ms for 8 kB, which priced per byte would make
+  ZeRO-0's one all-reduce 20× too slow).
 * **NVMe**: write and read at ``hardware.nvme_path`` where the space offloads to NVMe.
 
 :func:`probe_rates` turns the probe into the time model's seconds per unit (:class:`~optimizer.perf.throughput.Rates`)
@@ -44,6 +48,9 @@ MAX_ELEMENTS_CPU = 1 << 22
 """The same on CPU ranks, which share the host with everything else."""
 NVME_PROBE_BYTES = 64 << 20
 """Bytes written to and read from the NVMe folder."""
+WIDE_BYTES = 16 << 20
+"""A collective wide enough that its time is mostly bandwidth: with the bucket-sized one it separates the latency α
+of a call from the seconds per byte β (Hockney's t = α + n·β; :func:`collective_beta`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,10 +84,12 @@ class ProbePlan:
     """Bytes of a host↔device copy timed (0: the space offloads nothing)."""
     memory_bytes: int
     """Bytes of a device-memory copy timed (0: no 4-bit base)."""
-    reduce_bytes: int
-    """Bytes of the all-reduce and reduce-scatter timed (0: one rank)."""
+    reduce_bytes: tuple[int, ...]
+    """Bytes of each all-reduce and reduce-scatter timed: the gradient bucket and :data:`WIDE_BYTES` (empty: one
+    rank)."""
     gather_bytes: tuple[int, ...]
-    """Bytes of each all-gather timed (ZeRO-1/2's bucket, ZeRO-3's prefetch bucket; empty: one rank)."""
+    """Bytes of each all-gather timed: ZeRO-1/2's bucket, ZeRO-3's prefetch bucket and :data:`WIDE_BYTES` (empty:
+    one rank)."""
     nvme_path: str | None
     """Folder of the NVMe reads and writes (None: the space does not offload to NVMe)."""
     nvme_bytes: int
@@ -106,7 +115,7 @@ class ProbePlan:
                 "rows_per_sample": self.rows_per_sample, "precisions": list(self.precisions),
                 "micro_batches": list(self.micro_batches), "device_adam_elements": self.device_adam_elements,
                 "host_adam_elements": self.host_adam_elements, "copy_bytes": self.copy_bytes,
-                "memory_bytes": self.memory_bytes, "reduce_bytes": self.reduce_bytes,
+                "memory_bytes": self.memory_bytes, "reduce_bytes": list(self.reduce_bytes),
                 "gather_bytes": list(self.gather_bytes), "nvme_path": self.nvme_path, "nvme_bytes": self.nvme_bytes,
                 "gemm_flops": {str(b): self.gemm_flops(b) for b in self.micro_batches},
                 "attention_flops": {str(b): self.attention_flops(b) for b in self.micro_batches}}
@@ -144,15 +153,17 @@ def probe_plan(spec: StudySpec) -> ProbePlan:
     nvme = any(OffloadDevice.NVME in (c.offload_optimizer, c.offload_param) for c in candidates)
     stages = {c.zero_stage for c in candidates}
     gather: list[int] = []
-    reduce_bytes = 0
+    reduce_bytes: tuple[int, ...] = ()
     if hardware.world_size > 1:
         settings = zero_settings(model=model, stage=ZeroStage.GRADIENTS)
-        reduce_bytes = min(settings.reduce_bucket_elements, trainable, cap) * b
+        reduce_bytes = tuple(sorted({min(settings.reduce_bucket_elements, trainable, cap) * b, WIDE_BYTES}))
         if stages & {ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS}:
             gather.append(min(settings.allgather_bucket_elements, trainable, cap) * b)
         if ZeroStage.PARAMETERS in stages:
             gather.append(min(zero_settings(model=model, stage=ZeroStage.PARAMETERS).prefetch_bucket_elements,
                               cap) * b)
+        if gather:  # the stages that gather: a wide one too (β)
+            gather.append(WIDE_BYTES)
     four_bit = four_bit_weights(model).elements > 0
     return ProbePlan(
         accelerator=hardware.accelerator.value, ranks=ranks, gemm_shapes=gemm_shapes(model),
@@ -174,3 +185,17 @@ def compute_rate(probe: MachineProbe, *, precision: str, micro_batch: int) -> fl
     if gemm is None or attention is None:
         return None
     return (gemm.median_s + attention.median_s) / (gemm.work + attention.work)
+
+
+def collective_beta(probe: MachineProbe, kind: str) -> float | None:
+    """Seconds per byte of a ``kind`` collective's buffer: the slope (t₂ − t₁) / (n₂ − n₁) between its smallest and
+    its widest timing (Hockney's α + n·β; Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective
+    Communication Operations in MPICH", §2), else the one timing's seconds per byte; None without a timing. A slope
+    the spread makes non-positive falls back to the widest call's seconds per byte (an upper bound of β)."""
+    figures = sorted(probe.of_kind(kind), key=lambda f: f.work)
+    if not figures:
+        return None
+    small, wide = figures[0], figures[-1]
+    if wide.work > small.work and wide.median_s > small.median_s:
+        return (wide.median_s - small.median_s) / (wide.work - small.work)
+    return wide.seconds_per_unit

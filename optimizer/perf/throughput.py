@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 from optimizer.ledger.transformer import parameter_count, trainable_count
 from optimizer.perf.four_bit_work import four_bit_work
-from optimizer.perf.probe_plan import compute_rate
+from optimizer.perf.probe_plan import collective_beta, compute_rate
 from optimizer.study.constraints import gradient_accumulation_steps
 from optimizer.study.knobs import (
     Candidate,
@@ -336,11 +336,9 @@ def probed_rates(rates: Rates, *, hardware: HardwareSpec, probe: MachineProbe) -
         factors += [(precision.value, b, r / by_batch[reference]) for b, r in by_batch.items()]
     ring = (probe.ranks - 1) / probe.ranks
     if hardware.nodes == 1 and ring > 0:
-        reduce = probe.find("all_reduce")
-        take("comm_bytes", reduce and reduce.median_s / (2 * ring * reduce.work))
-        gathers = probe.of_kind("all_gather")
-        gather = max(gathers, key=lambda f: f.work) if gathers else None
-        take("comm_bytes_z3", gather and gather.median_s / (ring * gather.work))
+        reduce, gather = collective_beta(probe, "all_reduce"), collective_beta(probe, "all_gather")
+        take("comm_bytes", reduce and reduce / (2 * ring))
+        take("comm_bytes_z3", gather and gather / ring)
     copies = [f for f in probe.of_kind("copy") if f.variant.startswith("pinned")] or list(probe.of_kind("copy"))
     if copies:
         take("pcie_bytes", sum(f.median_s for f in copies) / sum(f.work for f in copies))

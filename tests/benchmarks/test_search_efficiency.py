@@ -111,3 +111,20 @@ def test_random_launches_distinct_candidates_until_its_first_hit_in_a_seeded_ran
     assert max(firsts.values()) <= 50  # 25 expected: no label dominates the first launch
     assert max(lengths) <= len(HAND_GRID) - len(HAND_HITS) + 1  # 6 misses at most, then a hit
     assert 2.4 <= sum(lengths) / RANDOM_SEEDS <= 3.6  # 3 expected (above)
+
+
+def test_a_grid_replays_with_the_probe_recorded_beside_it_unless_told_not_to(bench, tmp_path):
+    from optimizer.perf.throughput import profile_rates
+    from optimizer.study.machine_probe import MachineProbe, ProbeFigure
+
+    probe = MachineProbe(machine="the recording machine", measured_at="2026-12-06T00:00:00+00:00", ranks=2,
+                         seconds=1.0, figures=(ProbeFigure(kind="host_adam", work=1e6, median_s=1e-3, low_s=1e-3,
+                                                           high_s=1e-3, repeats=5),))
+    entries = [{"label": "z0 fp32 ckpt=none mbs=1", "knobs": {"zero_stage": 0, "precision": "fp32"}, "outcome": "ok",
+                "measured_peak_bytes": 1, "predicted_host_bytes": 0, "loss_fidelity": 0.0, "tokens_per_s": 1.0}]
+    path = tmp_path / "grid.json"
+    path.write_text(json.dumps({"study_file": "studies/grid-cpu.yaml", "candidates": entries,
+                                "probe": probe.to_json()}))
+    assert bench.load_grid(path).spec.hardware.probe == probe
+    assert "probe 2026-12-06" in profile_rates(hardware=bench.load_grid(path).spec.hardware).source
+    assert bench.load_grid(path, probe=False).spec.hardware.probe is None

@@ -243,11 +243,11 @@ def test_the_second_worker_of_a_node_waits_for_the_first(tmp_path):
     entered = threading.Event()
 
     def second():
-        with op_prep.node_lock(lock, holder="w1", say=said.append) as waited_s:
+        with op_prep.node_lock(lock, holder="w1", say=said.append, doing="building DeepSpeed ops") as waited_s:
             said.append(f"w1 in after {waited_s:.2f} s")
             entered.set()
 
-    with op_prep.node_lock(lock, holder="w0", say=said.append):
+    with op_prep.node_lock(lock, holder="w0", say=said.append, doing="building DeepSpeed ops"):
         thread = threading.Thread(target=second)
         thread.start()
         time.sleep(0.3)

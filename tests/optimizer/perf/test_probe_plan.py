@@ -42,7 +42,8 @@ def test_plan_follows_the_space():
     assert plan.precisions == ("fp32", "bf16") and plan.micro_batches == (1, 2, 4)
     assert plan.ranks == 2 and plan.accelerator == "cpu" and plan.eager_attention  # grid-cpu: attention: eager
     assert plan.host_adam_elements > 0 and plan.copy_bytes > 0  # offload_optimizer: [none, cpu]
-    assert plan.reduce_bytes > 0 and len(plan.gather_bytes) == 2  # ZeRO-1/2's gather bucket and ZeRO-3's prefetch
+    assert len(plan.reduce_bytes) == 2  # the gradient bucket and a wide one (β: the slope between them)
+    assert len(plan.gather_bytes) == 3  # ZeRO-1/2's gather bucket, ZeRO-3's prefetch bucket, a wide one
     assert plan.nvme_path is None and plan.memory_bytes == 0
     narrow = replace(study, search_space=replace(study.search_space, values=(
         ("zero_stage", (ZeroStage.DISABLED,)), ("precision", (Precision.FP32,)))))
@@ -50,7 +51,7 @@ def test_plan_follows_the_space():
     assert plan.precisions == ("fp32",) and plan.micro_batches == (study.training.micro_batch_size,)
     assert plan.host_adam_elements == 0 and plan.copy_bytes == 0 and plan.gather_bytes == ()
     one = replace(narrow, hardware=replace(narrow.hardware, gpus_per_node=1))
-    assert probe_plan(one).reduce_bytes == 0  # one rank: no collective to time
+    assert probe_plan(one).reduce_bytes == () == probe_plan(one).gather_bytes  # one rank: no collective to time
     assert probe_plan(study).device_adam_elements <= MAX_ELEMENTS_CPU
 
 
@@ -87,8 +88,9 @@ def two_rank_probe() -> MachineProbe:
                                                                          micro_batch=2),
         figure("gemm", 8e-3, 4e9, precision="fp32", micro_batch=4), figure("attention", 2e-3, 4e8, precision="fp32",
                                                                          micro_batch=4),
-        figure("all_reduce", 2e-3, 1e6), figure("all_gather", 1e-3, 1e6, variant="1000000 B"),
-        figure("all_gather", 5e-4, 1e5, variant="100000 B"), figure("host_adam", 1e-3, 1e6),
+        figure("all_reduce", 2e-3, 1e6, variant="1000000 B"), figure("all_reduce", 1.1e-3, 1e5, variant="100000 B"),
+        figure("all_gather", 1e-3, 1e6, variant="1000000 B"), figure("all_gather", 5.5e-4, 1e5, variant="100000 B"),
+        figure("host_adam", 1e-3, 1e6),
         figure("copy", 1e-3, 1e7, variant="pinned h2d"), figure("copy", 9e-3, 1e7, variant="pageable h2d")))
 
 
@@ -100,8 +102,10 @@ def test_probed_rates_take_each_figure_the_probe_has():
     assert got["flops_fp32"] == pytest.approx((6e-3 + 1.5e-3) / (2e9 + 2e8))  # the middle micro-batch: 2
     factors = {(p, b): f for p, b, f in rates.flop_factors}
     assert factors[("fp32", 4)] == pytest.approx(((8e-3 + 2e-3) / 4.4e9) / ((6e-3 + 1.5e-3) / 2.2e9))
-    assert got["comm_bytes"] == pytest.approx(2e-3 / (2 * 0.5 * 1e6))  # all-reduce: 2·(W−1)/W of the buffer moves
-    assert got["comm_bytes_z3"] == pytest.approx(1e-3 / (0.5 * 1e6))  # the largest all-gather: (W−1)/W
+    # β, the slope between the two sizes (the latency α = 1e-3 s is a call's, not a byte's): 0.9e-3 s / 0.9e6 B;
+    # an all-reduce moves 2·(W−1)/W of its buffer per rank, an all-gather (W−1)/W
+    assert got["comm_bytes"] == pytest.approx(1e-9 / (2 * 0.5))
+    assert got["comm_bytes_z3"] == pytest.approx(0.5e-9 / 0.5)
     assert got["pcie_bytes"] == pytest.approx(1e-3 / 1e7)  # pinned, as DeepSpeed's offload buffers are
     assert got["host_params"] == pytest.approx(1e-9)
     untouched = dict(zip(FEATURES, plain.seconds_per, strict=True))
