@@ -42,6 +42,16 @@ def dsopt_cache_dir(tmp_path_factory) -> Iterator[Path]:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def no_probe_by_default() -> Iterator[None]:
+    """Studies in the suite do not probe the machine (``DSOPT_PROBE=off``, launchers/probe/machine.py): ~8 s per
+    study shape that no test but the probe's own reads; those tests (tests/real/deepspeed/test_probe_real.py, the
+    shared study of test_study.py) turn it back on. Subprocesses inherit it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DSOPT_PROBE", "off")
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
 def shared_extensions_dir() -> Iterator[Path]:
     """One cache of DeepSpeed's JIT-compiled ops for every process of the session: dsopt's launches use
     ``launchers.trial.local.extensions_dir()`` (one per virtual environment), while a script run without dsopt (the

@@ -31,6 +31,10 @@ ROUND_S = 0.01
 """Least seconds a round runs (its repetitions are counted off one warm-up run)."""
 MAX_REPEATS = 10_000
 """Most repetitions of one operation in a round."""
+MAX_TENSOR_BYTES = 1 << 30
+"""Most bytes one timed operation's tensors may hold: a wide micro-batch of a large-vocabulary head (Llama-3's
+128,256 × 8 × 4,096 tokens in bf16: 8.4 GB of logits) is timed on fewer rows and scaled (:func:`timed_share`), so
+that the probe fits beside nothing on the smallest card it plans for."""
 
 
 def dtype_of(precision: str) -> Any:
@@ -83,9 +87,10 @@ def gemm_rounds(timer: Timer, plan: dict[str, Any], *, device: Any, precision: s
     tokens = micro_batch * plan["rows_per_sample"] * plan["sequence_length"]
     total = [0.0] * ROUNDS
     for fan_in, fan_out, count in plan["gemm_shapes"]:
-        x = torch.randn(tokens, fan_in, device=device, dtype=dtype)
+        timed = timed_share(tokens, row_bytes=(2 * fan_in + 2 * fan_out) * dtype.itemsize)
+        x = torch.randn(timed, fan_in, device=device, dtype=dtype)
         w = torch.randn(fan_out, fan_in, device=device, dtype=dtype)
-        dy = torch.randn(tokens, fan_out, device=device, dtype=dtype)
+        dy = torch.randn(timed, fan_out, device=device, dtype=dtype)
 
         def trio(x: Any = x, w: Any = w, dy: Any = dy) -> None:
             torch.matmul(x, w.t())
@@ -93,8 +98,14 @@ def gemm_rounds(timer: Timer, plan: dict[str, Any], *, device: Any, precision: s
             torch.matmul(dy.t(), x)
 
         for index, seconds in enumerate(timer.rounds(trio)):
-            total[index] += count * seconds
+            total[index] += count * seconds * tokens / timed
     return total
+
+
+def timed_share(rows: int, *, row_bytes: int) -> int:
+    """How many of ``rows`` rows to time so that the operation's tensors stay under :data:`MAX_TENSOR_BYTES` (the
+    time is scaled back by rows / timed: at these sizes a GEMM's time is linear in its rows)."""
+    return max(1, min(rows, MAX_TENSOR_BYTES // max(1, row_bytes)))
 
 
 def attention_rounds(timer: Timer, plan: dict[str, Any], *, device: Any, precision: str,
@@ -105,9 +116,11 @@ def attention_rounds(timer: Timer, plan: dict[str, Any], *, device: Any, precisi
     heads, _, head_dim, layers = plan["attention"]
     rows, s = micro_batch * plan["rows_per_sample"], plan["sequence_length"]
     dtype = dtype_of(precision)
-    q, k, v = (torch.randn(rows, heads, s, head_dim, device=device, dtype=dtype, requires_grad=True)
+    scores = 3 * heads * s * s if plan["eager_attention"] else 0  # the scores, their softmax, its gradient
+    timed = timed_share(rows, row_bytes=(5 * heads * s * head_dim + scores) * dtype.itemsize)
+    q, k, v = (torch.randn(timed, heads, s, head_dim, device=device, dtype=dtype, requires_grad=True)
                for _ in range(3))
-    grad = torch.ones(rows, heads, s, head_dim, device=device, dtype=dtype)
+    grad = torch.ones(timed, heads, s, head_dim, device=device, dtype=dtype)
 
     mask = torch.ones(s, s, device=device, dtype=torch.bool).tril()
     scale = head_dim ** -0.5
@@ -120,7 +133,7 @@ def attention_rounds(timer: Timer, plan: dict[str, Any], *, device: Any, precisi
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         out.backward(grad)
 
-    return [layers * seconds for seconds in timer.rounds(core)]
+    return [layers * seconds * rows / timed for seconds in timer.rounds(core)]
 
 
 def adam_rounds(timer: Timer, *, elements: int, device: Any, host: bool) -> list[float]:
@@ -267,11 +280,24 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     plan_path, out_dir = Path(argv[0]), Path(argv[1])
-    from launchers.rank.cpu_info import install as keep_cpu_info
+    import signal
 
+    import torch.distributed
+
+    from launchers.rank.cpu_info import install as keep_cpu_info
+    from launchers.rank.orphan_guard import die_with_parent
+
+    die_with_parent(signal.SIGKILL)  # torchrun SIGKILLed: its ranks go too (launchers/rank/orphan_guard.py)
     keep_cpu_info()  # DeepSpeed's op loads ask py-cpuinfo; once per node (launchers/rank/cpu_info.py)
     report = run(json.loads(plan_path.read_text()))
-    (out_dir / f"rank{report['rank']}.json").write_text(json.dumps(report))
+    tmp = out_dir / f".rank{report['rank']}.json.tmp"
+    tmp.write_text(json.dumps(report))
+    tmp.replace(out_dir / f"rank{report['rank']}.json")  # a rank killed mid-write leaves no half report
+    if torch.distributed.is_initialized():  # as a trial's ranks end: every rank here, then the group torn down
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
     return 0
 
 

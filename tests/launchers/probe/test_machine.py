@@ -35,7 +35,8 @@ def test_cache_key_is_the_plan_and_the_machine(monkeypatch):
     assert cache_key(probe_plan(load_study(ROOT / "studies" / "llama-7b-8xh100.yaml"))) != cache_key(plan)
 
 
-def test_a_cuda_study_on_a_machine_without_cuda_keeps_its_profile(capsys):
+def test_a_cuda_study_on_a_machine_without_cuda_keeps_its_profile(monkeypatch):
+    monkeypatch.delenv("DSOPT_PROBE", raising=False)  # the suite's default (tests/conftest.py): this test probes
     study = load_study(ROOT / "studies" / "llama-7b-8xh100.yaml")
     said: list[str] = []
     pytest.importorskip("torch")
@@ -66,3 +67,12 @@ def test_nvme_rounds_write_and_read_a_file_and_leave_nothing(tmp_path):
         seconds = nvme_rounds(tmp_path, size=2 << 20, write=write)
         assert len(seconds) == ROUNDS and all(s > 0 for s in seconds)
     assert not any(tmp_path.iterdir())
+
+
+def test_probe_off_takes_only_a_cached_probe(monkeypatch, tmp_path):
+    monkeypatch.setenv("DSOPT_PROBE", "off")
+    monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path))
+    study = load_study(ROOT / "studies" / "grid-cpu.yaml")
+    said: list[str] = []
+    assert with_probe(study, say=said.append) is study and "DSOPT_PROBE=off" in said[0]
+    assert not any(tmp_path.iterdir())  # nothing launched, nothing written

@@ -62,3 +62,15 @@ def test_cuda_branch_reads_event_milliseconds_as_seconds_per_run(monkeypatch):
     calls.clear()
     assert timer.rounds(op, repeats=3) == [pytest.approx(0.002)] * ROUNDS and len(calls) == 3 * ROUNDS
     assert probe_rank.MAX_REPEATS >= 1
+
+
+def test_wide_operations_are_timed_on_fewer_rows_and_scaled_back(monkeypatch):
+    assert probe_rank.timed_share(8, row_bytes=100) == 8  # small: every row
+    monkeypatch.setattr(probe_rank, "MAX_TENSOR_BYTES", 1000)
+    assert probe_rank.timed_share(8, row_bytes=300) == 3 and probe_rank.timed_share(8, row_bytes=5000) == 1
+    timer = Timer(torch.device("cpu"))
+    seconds = gemm_rounds(timer, PLAN, device=torch.device("cpu"), precision="fp32", micro_batch=2)
+    assert len(seconds) == ROUNDS and all(s > 0 for s in seconds)  # 32 tokens timed one at a time, scaled by 32
+    seconds = attention_rounds(timer, {**PLAN, "eager_attention": True}, device=torch.device("cpu"),
+                               precision="fp32", micro_batch=2)
+    assert len(seconds) == ROUNDS and all(s > 0 for s in seconds)

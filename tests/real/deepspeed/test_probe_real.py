@@ -25,8 +25,9 @@ def test_dsopt_probe_times_every_planned_operation_and_caches_it(tmp_path, monke
     monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path / "cache"))
     shutil.copy(ROOT / "studies" / "demo-cpu.yaml", tmp_path / "demo-cpu.yaml")
     study_file = str(tmp_path / "demo-cpu.yaml")
-    assert main(["probe", study_file, "--json"]) == 0
+    code = main(["probe", study_file, "--json"])
     out, err = capsys.readouterr()
+    assert code == 0, err
     probe = json.loads(out)["probe"]
     assert "probe done in" in err and probe["ranks"] == 2 and probe["skipped"] == []
     plan = probe_plan(load_study(study_file))

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from trial_processes import trial_processes
 
+from launchers.probe.machine import cached_probe
 from launchers.study.study_run import default_storage, run_study
 from launchers.trial.run import run_trial
 from optimizer.cli import main
@@ -45,8 +46,16 @@ def small_study(folder: Path, **space) -> Path:
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     spec = load_study(small_study(tmp_path_factory.mktemp("study")))
-    study = run_study(spec=spec, storage=default_storage(spec), n_trials=7, timeout_s=None)
+    with pytest.MonkeyPatch.context() as patch:  # the study's first step: the probe of the machine (tests/conftest.py)
+        patch.delenv("DSOPT_PROBE")
+        study = run_study(spec=spec, storage=default_storage(spec), n_trials=7, timeout_s=None)
     return spec, study
+
+
+def test_the_study_probed_the_machine_first_and_cached_it(finished):
+    spec, _ = finished
+    probe = cached_probe(spec)
+    assert probe is not None and probe.find("gemm", precision="fp32", micro_batch=spec.training.micro_batch_size)
 
 
 def test_a_small_study_completes(finished):
