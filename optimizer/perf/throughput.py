@@ -47,8 +47,8 @@ M = G/(micro-batch·W) micro-steps:
 * **overhead** — a fixed time per micro-step that depends on the ZeRO stage (hooks, bucketing, launches).
   Unknown a priori (0 on GPUs before calibration); on CPU ranks it dominates small models.
 
-Figures come from :mod:`optimizer.study.hardware_profiles`; a missing one makes the prediction ``None`` with the
-reason, never a guess.
+Figures come from :mod:`optimizer.study.hardware_profiles`, or where the study carries one from this machine's probe
+(:func:`probed_rates`); a missing one makes the prediction ``None`` with the reason, never a guess.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class Rates:
     are fitted as exposed time already."""
     flop_factors: tuple[tuple[str, int, float], ...] = ()
     """(precision, micro-batch, factor): the machine's seconds per FLOP at that micro-batch relative to the
-    figure in ``seconds_per`` (the probe's, :func:`optimizer.perf.probe_plan.probe_rates`); 1 where absent. A
+    figure in ``seconds_per`` (the probe's, :func:`probed_rates`); 1 where absent. A
     GEMM's rate depends on its shape, so the FLOP features are scaled by it before the linear model applies —
     in prediction and in calibration alike, which keeps the fit linear."""
 
@@ -309,12 +309,13 @@ def profile_rates(*, hardware: HardwareSpec) -> Rates:
 
 def probed_rates(rates: Rates, *, hardware: HardwareSpec, probe: MachineProbe) -> Rates:
     """``rates`` with every figure the probe measured taken from it (:mod:`optimizer.perf.probe_plan`): seconds per
-    FLOP of the model's own GEMMs and attention at the study's micro-batch (the others as
-    :attr:`Rates.flop_factors`), per byte moved of the all-reduce (ZeRO 0–2: each rank moves 2·(W−1)/W of the
-    buffer) and of the largest all-gather (ZeRO-3: (W−1)/W), per byte of a pinned host↔device copy (the offload
-    buffers are pinned; CPU ranks: a host copy), per parameter of DeepSpeedCPUAdam's step, per byte of NVMe
-    (write and read together) and per byte of device memory (QLoRA's dequantization). ``source`` names which
-    figures came from where. Multi-node studies keep the profile's link: the probe times one node's ranks."""
+    FLOP of the model's own GEMMs and attention at the study's middle micro-batch (the others as
+    :attr:`Rates.flop_factors`); per byte moved of the all-reduce (ZeRO 0–2: each rank moves 2·(W−1)/W of the
+    buffer) and of the all-gather (ZeRO-3: (W−1)/W), the bandwidth slope β of each (a call's latency is left to
+    the per-micro-step figures: :func:`optimizer.perf.probe_plan.collective_beta`); per byte of a pinned
+    host↔device copy (the offload buffers are pinned; CPU ranks: a host copy); per parameter of DeepSpeedCPUAdam's
+    step; per byte of NVMe (write and read together) and of device memory (QLoRA's dequantization). ``source`` names
+    which figures came from where. Multi-node studies keep the profile's link: the probe times one node's ranks."""
     seconds = list(rates.seconds_per)
     probed: list[str] = []
 
