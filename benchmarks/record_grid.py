@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
-from launchers.probe.machine import machine_probe
+from launchers.probe.machine import cpu_model, machine_probe
 from launchers.trace.inventory import adapted_inventory
 from launchers.trace.study_traces import with_traced_activations
 from launchers.trial.run import check_devices, reference_losses, run_trial
@@ -43,14 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def machine() -> dict[str, object]:
     """What the grid was measured on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": memory, "os": platform.platform(),
             "python": platform.python_version(),

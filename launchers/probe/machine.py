@@ -33,13 +33,13 @@ from launchers.trace.cache_dir import cache_dir, source_digest
 from launchers.trace.json_cache import KeyedJsonStore
 from launchers.trial.local import build_launch_plan, execute, extensions_dir, free_port, log_tail
 from launchers.trial.node_share import read_cpu_allowance
+from launchers.trial.run import PACKAGE_ROOT
 from optimizer.deepspeed.versions import installed_versions
 from optimizer.perf.probe_plan import ProbePlan, probe_plan
 from optimizer.study.machine_probe import PROBE_FORMAT, MachineProbe, ProbeFigure
 from optimizer.study.specs import Accelerator
 from optimizer.study.study_file import StudySpec
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 PROBE_TIMEOUT_S = 180.0
 """Longest a probe's launch may run (s): its operations take seconds once the ops are built (the study builds them
 first); a collective hung on one rank must not hold the study's start for long."""
