@@ -2,12 +2,13 @@
 
     python benchmarks/probe_rank_order.py benchmarks/data/grid-cpu.json [...] [--probe-from-here]
 
-For each grid, Spearman's ρ between predicted and measured tokens/s over its ok candidates, for five time models:
+For each grid, Spearman's ρ between predicted and measured tokens/s over its ok candidates, for six time models:
 
-* **probe, no overhead** — the grid's recorded probe (``dsopt probe``; ``--probe-from-here``: this machine's,
-  cached or measured now, for grids recorded before the probe) with DeepSpeed's per-micro-step cost taken as 0:
-  what the kernels alone say (the probe times kernels, not DeepSpeed's engine; on CPU ranks that cost is unknown
-  until trials measure it, so the study's own model predicts nothing before them);
+* **probe alone** — the grid's recorded probe (``dsopt probe``; ``--probe-from-here``: this machine's, cached or
+  measured now, for grids recorded before it) as the study reads it before any trial: kernels, collectives and
+  DeepSpeed's engine per ZeRO stage on the model's skeleton (:mod:`optimizer.perf.skeleton`); ``-`` for a probe
+  taken before the engine was timed;
+* **probe, engine left out** — the same with DeepSpeed's per-micro-step cost taken as 0: what the kernels alone say;
 * **probe + stage overhead (oracle)** — the same with each ZeRO stage's per-micro-step cost set to the median
   residual of that stage's rows: the best the probe could do with that one term known exactly;
 * **k trials, no probe / with probe** — the time model calibrated (:func:`optimizer.perf.calibration.fit_rates`)
@@ -68,7 +69,10 @@ def row(path: Path, *, here: bool) -> str:
     measured = [e["tokens_per_s"] for e in rows]
     steps = [e["step_time_s"] for e in rows]
     probe_rates = profile_rates(hardware=probed.hardware)
-    zero = replace(probe_rates, seconds_per=tuple(0.0 if v is None else v for v in probe_rates.seconds_per))
+    engine = [FEATURES.index(f"micro_steps_z{stage}") for stage in range(4)]
+    alone = replace(probe_rates, seconds_per=tuple(0.0 if v is None else v for v in probe_rates.seconds_per))
+    zero = replace(alone, seconds_per=tuple(0.0 if k in engine else v for k, v in enumerate(alone.seconds_per)),
+                   step_shares=())
     seconds = list(zero.seconds_per)
     for stage in range(4):
         residuals = [(t - predict(job=j, rates=zero, ranks=ranks).total_s) / j.micro_steps
@@ -94,7 +98,9 @@ def row(path: Path, *, here: bool) -> str:
         return "-" if value is None else f"{value:.2f}"
 
     few = " | ".join(f"{calibrated(plain_rates, k)} / {calibrated(probe_rates, k)}" for k in (4, 8))
-    return (f"| {path.stem} | {len(rows)} | {text(rho(zero, jobs, measured, ranks))} | "
+    engine_timed = any(probe_rates.seconds_per[k] is not None for k in engine)
+    return (f"| {path.stem} | {len(rows)} | {text(rho(alone, jobs, measured, ranks)) if engine_timed else '-'} | "
+            f"{text(rho(zero, jobs, measured, ranks))} | "
             f"{text(rho(oracle, jobs, measured, ranks))} | {few} | {text(rho(every, jobs, measured, ranks))} |")
 
 
@@ -104,9 +110,9 @@ def main() -> int:
     parser.add_argument("--probe-from-here", action="store_true",
                         help="use this machine's probe (cached, or measured now), not the one recorded with the grid")
     args = parser.parse_args()
-    print("| grid | ok rows | probe, no overhead | probe + stage overhead (oracle) | 4 trials: no probe / probe | "
-          "8 trials: no probe / probe | every row (ceiling) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| grid | ok rows | probe alone | probe, engine left out | probe + stage overhead (oracle) | "
+          "4 trials: no probe / probe | 8 trials: no probe / probe | every row (ceiling) |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.grid:
         print(row(Path(name), here=args.probe_from_here), flush=True)
     return 0

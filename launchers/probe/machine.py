@@ -33,11 +33,13 @@ from launchers.trace.cache_dir import cache_dir, source_digest
 from launchers.trace.json_cache import KeyedJsonStore
 from launchers.trial.local import build_launch_plan, execute, extensions_dir, free_port, log_tail
 from launchers.trial.node_share import read_cpu_allowance
-from launchers.trial.run import PACKAGE_ROOT
+from launchers.trial.run import PACKAGE_ROOT, rank_plan
 from optimizer.deepspeed.versions import installed_versions
 from optimizer.perf.probe_plan import ProbePlan, probe_plan
+from optimizer.perf.skeleton import SKELETON_MICRO_STEPS, SKELETON_TOKENS, skeleton_model
+from optimizer.study.knobs import Precision, ZeroStage
 from optimizer.study.machine_probe import PROBE_FORMAT, MachineProbe, ProbeFigure
-from optimizer.study.specs import Accelerator
+from optimizer.study.specs import Accelerator, baseline_candidate
 from optimizer.study.study_file import StudySpec
 
 PROBE_TIMEOUT_S = 180.0
@@ -48,7 +50,8 @@ SWITCH_VAR = "DSOPT_PROBE"
 suite sets it but for the tests of the probe, so that a probe is paid where it is tested."""
 LOCK_NAME = "dsopt-probe.lock"
 """The node lock's file, in ``TORCH_EXTENSIONS_DIR`` (beside the ops' lock, :mod:`launchers.study.op_prep`)."""
-CODE = ("launchers.rank.probe_rank", "optimizer.perf.probe_plan", "optimizer.study.machine_probe")
+CODE = ("launchers.rank.probe_rank", "optimizer.perf.probe_plan", "optimizer.perf.skeleton",
+        "optimizer.study.machine_probe")
 """The modules whose source is in the cache key: an edit to what is timed or how probes again."""
 
 
@@ -76,10 +79,36 @@ def machine_line(plan: ProbePlan, *, gpus: Sequence[str] | None = None) -> str:
     return f"{socket.gethostname()}, {cpu_model()}, {read_cpu_allowance()} cores, {devices}, {versions}"
 
 
-def cache_key(plan: ProbePlan, *, gpus: Sequence[str] | None = None) -> str:
-    """The cache key of a probe of ``plan`` on this machine (module doc)."""
+def engine_plans(spec: StudySpec, plan: ProbePlan) -> list[dict[str, Any]]:
+    """For each ZeRO stage of ``plan.engine_stages``, what a trial's ranks would be told for the study's skeleton
+    (:func:`optimizer.perf.skeleton.skeleton_model`) at that stage in ``plan.engine_precision``: one sample of
+    :data:`~optimizer.perf.skeleton.SKELETON_TOKENS` tokens per micro-step, two micro-steps per step, no offload or
+    checkpointing, on one node's ranks — the DeepSpeed config built by dsopt's own builder for the skeleton, so its
+    buckets are as many as the study's (:mod:`optimizer.perf.skeleton`). What trains (PEFT, frozen parameters) is
+    the study's; a user's script (``trial.command``) is not run: the engine is DeepSpeed's whatever calls it."""
+    skeleton = skeleton_model(spec.model)
+    if not plan.engine_stages or isinstance(skeleton, str):
+        return []
+    hardware = replace(spec.hardware, nodes=1)
+    training = replace(spec.training, sequence_length=SKELETON_TOKENS, micro_batch_size=1,
+                       global_batch_size=SKELETON_MICRO_STEPS * hardware.world_size)
+    small = replace(spec, model=skeleton, hardware=hardware, training=training,
+                    trial=replace(spec.trial, command=None))
+    base = replace(baseline_candidate(training), precision=Precision(plan.engine_precision))
+    return [{"stage": stage, **rank_plan(study=small, candidate=replace(base, zero_stage=ZeroStage(stage)))}
+            for stage in plan.engine_stages]
+
+
+def rank_input(spec: StudySpec, plan: ProbePlan) -> dict[str, Any]:
+    """What the probe's ranks read: ``plan`` and the engines' plans (:func:`engine_plans`)."""
+    return {**plan.to_json(), "engines": engine_plans(spec, plan)}
+
+
+def cache_key(spec: StudySpec, plan: ProbePlan, *, gpus: Sequence[str] | None = None) -> str:
+    """The cache key of a probe of ``spec`` by ``plan`` on this machine (module doc): the engines' plans are in
+    it (what trains changes DeepSpeed's cost, not the plan's shapes)."""
     return json.dumps({"format": PROBE_FORMAT, "machine": machine_line(plan, gpus=gpus), "code": source_digest(CODE),
-                       "plan": plan.to_json()}, sort_keys=True)
+                       "plan": rank_input(spec, plan)}, sort_keys=True)
 
 
 def store() -> KeyedJsonStore:
@@ -97,6 +126,8 @@ def merge(reports: list[dict[str, Any]], *, plan: ProbePlan, machine: str) -> Ma
             rounds.setdefault(key, []).append([float(s) for s in figure["rounds_s"]])
         for entry in report["skipped"]:
             skipped.setdefault(entry["what"], entry["why"])
+    if plan.engine_skipped:
+        skipped["DeepSpeed engine"] = plan.engine_skipped
     figures = []
     for (kind, precision, micro_batch, variant, work), per_rank in rounds.items():
         medians = [sorted(r)[len(r) // 2] for r in per_rank]
@@ -125,12 +156,13 @@ def run_probe(spec: StudySpec, *, gpus: Sequence[str] | None = None,
     say(f"probing this machine's kernels at the study's shapes on {plan.ranks} rank(s): "
         f"{len(plan.precisions)} precision(s) x {len(plan.micro_batches)} micro-batch size(s), "
         f"{'collectives, ' if plan.reduce_bytes else ''}{'offload copies, ' if plan.copy_bytes else ''}"
-        f"{'CPU Adam, ' if plan.host_adam_elements else ''}{'NVMe, ' if plan.nvme_path else ''}optimizer step")
+        f"{'CPU Adam, ' if plan.host_adam_elements else ''}{'NVMe, ' if plan.nvme_path else ''}optimizer step"
+        f"{', DeepSpeed engine at ZeRO ' + '/'.join(map(str, plan.engine_stages)) if plan.engine_stages else ''}")
     machine = machine_line(plan, gpus=gpus)
     with tempfile.TemporaryDirectory(prefix="dsopt-probe-") as folder:
         out = Path(folder)
         plan_path = out / "plan.json"
-        plan_path.write_text(json.dumps(plan.to_json()))
+        plan_path.write_text(json.dumps(rank_input(spec, plan)))
         launch = build_launch_plan(
             python=sys.executable, ranks=plan.ranks, cpu_ranks=cpu, master_port=free_port(), plan_path=plan_path,
             out_dir=out, base_env=os.environ, pythonpath=[str(PACKAGE_ROOT)], cwd=PACKAGE_ROOT,
@@ -150,7 +182,7 @@ def run_probe(spec: StudySpec, *, gpus: Sequence[str] | None = None,
 
 def cached_probe(spec: StudySpec, *, gpus: Sequence[str] | None = None) -> MachineProbe | None:
     """The cached probe of ``spec``'s shapes on this machine, or None."""
-    entry = store().get(cache_key(probe_plan(spec), gpus=gpus))
+    entry = store().get(cache_key(spec, probe_plan(spec), gpus=gpus))
     try:
         return None if entry is None else MachineProbe.from_json(entry)
     except ValueError:
@@ -169,7 +201,7 @@ def machine_probe(spec: StudySpec, *, refresh: bool = False, gpus: Sequence[str]
         if not refresh and (found := cached_probe(spec, gpus=gpus)) is not None:
             return found
         probe = run_probe(spec, gpus=gpus, say=say)
-        store().put(cache_key(probe_plan(spec), gpus=gpus), probe.to_json())
+        store().put(cache_key(spec, probe_plan(spec), gpus=gpus), probe.to_json())
     return probe
 
 

@@ -8,13 +8,15 @@ Each operation runs once to warm up, then ``ROUNDS`` rounds; a round repeats it 
 ``ROUND_S`` (the count fixed by the warm-up, and for collectives agreed by all ranks — rank 0's — so that none
 waits on a call the others never make). A CUDA round is timed with CUDA events around the repetitions, a CPU round
 with ``time.perf_counter``. The collectives go through ``deepspeed.comm`` — DeepSpeed's own backend choice, as the
-engine's collectives do (gloo, or its shared-memory all-reduce on CPU ranks; NCCL on GPUs). Rank k writes
+engine's collectives do (gloo, or its shared-memory all-reduce on CPU ranks; NCCL on GPUs). Last, DeepSpeed's engine
+itself at each ZeRO stage of the space, on the study's model at a tiny width (:func:`engine_rounds`). Rank k writes
 ``rank<k>.json``: per figure its kind, precision, micro-batch, variant, work and seconds per run of each round; an
 operation the machine cannot run is written as skipped with the reason, never a crash of the probe.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -209,6 +211,41 @@ def collective_rounds(timer: Timer, *, kind: str, size: int, device: Any, ranks:
     return timer.rounds(op, repeats=int(count.item()))
 
 
+def engine_rounds(timer: Timer, engine: dict[str, Any], *, device: Any) -> tuple[list[float], list[float]]:
+    """Per round, seconds of a micro-step that only accumulates and of one that steps the optimizer (``engine``:
+    a skeleton's rank plan with 2 micro-steps per step, :mod:`optimizer.perf.skeleton`), on DeepSpeed's engine
+    built as a trial's is (:func:`launchers.models.builtin.build_workload`, ``deepspeed.initialize``). One step
+    warms it up first (it builds the buckets and, at ZeRO-3, traces the module order the prefetch follows). Every rank runs the same
+    calls: they are collectives."""
+    import deepspeed
+    import deepspeed.comm as dist
+
+    from launchers.models.builtin import build_workload
+
+    config = engine["config"]
+    model, batch_fn = build_workload(model_spec=engine["model"], checkpointing="none",
+                                     sequence_length=engine["sequence_length"], seed=engine["seed"], entry_point=None,
+                                     construction=engine["construction"], ds_config=config, device=device)
+    trained, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                      if p.requires_grad], config=config)
+    rows = int(engine["model"].get("sequences_per_sample", 1))
+    first = dist.get_rank() * rows
+    batch = batch_fn(0, list(range(first, first + rows))).to(trained.device)
+
+    def micro_step() -> None:
+        trained.backward(trained(batch))
+        trained.step()
+
+    for _ in range(config["gradient_accumulation_steps"]):
+        micro_step()
+    accumulating, stepping = [], []
+    for _ in range(ROUNDS):
+        dist.barrier()
+        accumulating.append(timer.once(micro_step, 1))
+        stepping.append(timer.once(micro_step, 1))
+    return accumulating, stepping
+
+
 def run(plan: dict[str, Any]) -> dict[str, Any]:
     """Every operation of ``plan`` on this rank (module doc); the rank's report."""
     import deepspeed.comm as dist
@@ -274,6 +311,20 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
                                                         write=write)})
             except OSError as err:
                 skipped.append({"what": kind, "why": f"{plan['nvme_path']}: {err.strerror or err}"})
+    for engine in plan.get("engines", ()):
+        what = {"precision": plan["engine_precision"], "variant": f"z{engine['stage']}", "work": 1}
+        dist.barrier()
+        try:
+            accumulating, stepping = engine_rounds(timer, engine, device=device)
+        except Exception as err:  # a stage this machine cannot run (fp16 on a CPU without it) is a finding
+            skipped.append({"what": f"engine z{engine['stage']} {plan['engine_precision']}",
+                            "why": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"})
+            continue
+        gc.collect()  # the engine before the next one is built (ZeRO-3's hooks hold it in cycles)
+        if cuda:
+            torch.cuda.empty_cache()
+        figures.append({"kind": "engine_micro", **what, "rounds_s": accumulating})
+        figures.append({"kind": "engine_step", **what, "rounds_s": stepping})
     dist.barrier()
     return {"rank": dist.get_rank(), "seconds": time.perf_counter() - begin, "figures": figures, "skipped": skipped}
 

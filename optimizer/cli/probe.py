@@ -13,7 +13,7 @@ from optimizer.study.specs import Precision
 from optimizer.study.study_file import StudySpec, load_study
 
 UNITS = {"gemm": ("TFLOP/s", 1e12), "attention": ("TFLOP/s", 1e12), "device_adam": ("Mparams/s", 1e6),
-         "host_adam": ("Mparams/s", 1e6)}
+         "host_adam": ("Mparams/s", 1e6), "engine_micro": ("micro-steps/s", 1.0), "engine_step": ("micro-steps/s", 1.0)}
 """How a figure's rate prints (the rest: GB/s, 10^9 bytes per second)."""
 
 
@@ -46,7 +46,8 @@ def table(study: StudySpec, probe: MachineProbe) -> list[str]:
     for f in probe.figures:
         unit, scale = UNITS.get(f.kind, ("GB/s", 1e9))
         work = f"{f.work / 1e9:,.3f} GFLOP" if unit == "TFLOP/s" else (
-            f"{f.work:,.0f} params" if unit == "Mparams/s" else f"{f.work / 1e6:,.3f} MB")
+            f"{f.work:,.0f} params" if unit == "Mparams/s" else "1 micro-step of the skeleton"
+            if f.kind.startswith("engine") else f"{f.work / 1e6:,.3f} MB")
         lines.append(f"| {f.label()} | {work} | {f.median_s * 1e3:,.3f} | {f.work / f.median_s / scale:,.4g} {unit} "
                      f"| {datasheet(study, f)} | {f.spread:.0%} |")
     if probe.skipped:

@@ -24,6 +24,9 @@ probe answers for *this* model on *this* machine, not for a datasheet's ideal GE
   bucket-sized call on CPU ranks is mostly its latency (gloo: ~1 ms for 8 kB, which priced per byte would make
   ZeRO-0's one all-reduce 20× too slow).
 * **NVMe**: write and read at ``hardware.nvme_path`` where the space offloads to NVMe.
+* **DeepSpeed's engine**: one micro-step that accumulates and one that steps the optimizer, at each ZeRO stage of the
+  space, on the study's model at a tiny width (:mod:`optimizer.perf.skeleton`): DeepSpeed's own cost per micro-step
+  and per optimizer step — hooks, buckets, each collective call's latency — which the FLOPs and bytes above leave out.
 
 :func:`probe_rates` turns the probe into the time model's seconds per unit (:class:`~optimizer.perf.throughput.Rates`)
 with the per-micro-batch shape of the compute rate (:attr:`Rates.flop_factors`): the machine's kernels are not
@@ -37,6 +40,7 @@ from typing import Any
 
 from optimizer.deepspeed.zero_settings import zero_settings
 from optimizer.ledger.transformer import four_bit_weights, trainable_count
+from optimizer.perf.skeleton import skeleton_model
 from optimizer.study.knobs import OffloadDevice, Precision, ZeroStage
 from optimizer.study.machine_probe import MachineProbe
 from optimizer.study.specs import Accelerator, AttentionKind, MlpKind, TransformerModel, baseline_candidate
@@ -94,6 +98,13 @@ class ProbePlan:
     """Folder of the NVMe reads and writes (None: the space does not offload to NVMe)."""
     nvme_bytes: int
     """Bytes written and read there."""
+    engine_stages: tuple[int, ...] = ()
+    """ZeRO stages whose engine is timed on the skeleton (empty: none, :attr:`engine_skipped` says why)."""
+    engine_precision: str = ""
+    """The precision the skeleton's engines train in: the space's 16-bit one where it has one (most of its
+    candidates), else fp32."""
+    engine_skipped: str = ""
+    """Why no engine is timed (the model cannot be shrunk, :func:`optimizer.perf.skeleton.skeleton_model`)."""
 
     def gemm_flops(self, micro_batch: int) -> float:
         """FLOPs of the GEMMs of one micro-step's forward + backward, as the time model counts them (module doc)."""
@@ -117,6 +128,8 @@ class ProbePlan:
                 "host_adam_elements": self.host_adam_elements, "copy_bytes": self.copy_bytes,
                 "memory_bytes": self.memory_bytes, "reduce_bytes": list(self.reduce_bytes),
                 "gather_bytes": list(self.gather_bytes), "nvme_path": self.nvme_path, "nvme_bytes": self.nvme_bytes,
+                "engine_stages": list(self.engine_stages), "engine_precision": self.engine_precision,
+                "engine_skipped": self.engine_skipped,
                 "gemm_flops": {str(b): self.gemm_flops(b) for b in self.micro_batches},
                 "attention_flops": {str(b): self.attention_flops(b) for b in self.micro_batches}}
 
@@ -165,6 +178,8 @@ def probe_plan(spec: StudySpec) -> ProbePlan:
         if gather:  # the stages that gather: a wide one too (β)
             gather.append(WIDE_BYTES)
     four_bit = four_bit_weights(model).elements > 0
+    skeleton = skeleton_model(model)
+    half = [p for p in precisions if p != Precision.FP32.value]
     return ProbePlan(
         accelerator=hardware.accelerator.value, ranks=ranks, gemm_shapes=gemm_shapes(model),
         attention=(model.heads, model.kv_heads, model.head_dim, model.layers),
@@ -174,7 +189,10 @@ def probe_plan(spec: StudySpec) -> ProbePlan:
         if offload_opt else 0,
         copy_bytes=min(-(-trainable // hardware.world_size), cap) * b if offload_any else 0,
         memory_bytes=cap * 2 if four_bit else 0, reduce_bytes=reduce_bytes, gather_bytes=tuple(sorted(set(gather))),
-        nvme_path=hardware.nvme_path if nvme else None, nvme_bytes=NVME_PROBE_BYTES if nvme else 0)
+        nvme_path=hardware.nvme_path if nvme else None, nvme_bytes=NVME_PROBE_BYTES if nvme else 0,
+        engine_stages=() if isinstance(skeleton, str) else tuple(sorted(int(s) for s in stages)),
+        engine_precision=(half or list(precisions) or [Precision.FP32.value])[0],
+        engine_skipped=skeleton if isinstance(skeleton, str) else "")
 
 
 def compute_rate(probe: MachineProbe, *, precision: str, micro_batch: int) -> float | None:

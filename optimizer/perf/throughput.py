@@ -44,8 +44,10 @@ M = G/(micro-batch·W) micro-steps:
   (``dpo_trainer.py:1319-1336``, under ``no_grad``: F·T more FLOPs, one more dequantization of a 4-bit base, and at
   ZeRO-3 one more gather of the held parameters, Ψ·b·(W−1)/W per micro-step, and their PCIe crossing where they
   are offloaded — the copy TRL partitions like the policy, or the policy itself with its adapters disabled).
-* **overhead** — a fixed time per micro-step that depends on the ZeRO stage (hooks, bucketing, launches).
-  Unknown a priori (0 on GPUs before calibration); on CPU ranks it dominates small models.
+* **overhead** — DeepSpeed's own time per micro-step at each ZeRO stage (hooks, bucketing, each collective call's
+  latency), plus per optimizer step (:attr:`Rates.step_shares`). The probe times it on the study's model at a tiny
+  width (:mod:`optimizer.perf.skeleton`); without a probe it is 0 on GPUs before calibration and unknown on CPU
+  ranks, where it dominates small models.
 
 Figures come from :mod:`optimizer.study.hardware_profiles`, or where the study carries one from this machine's probe
 (:func:`probed_rates`); a missing one makes the prediction ``None`` with the reason, never a guess.
@@ -137,6 +139,11 @@ class Rates:
     figure in ``seconds_per`` (the probe's, :func:`probed_rates`); 1 where absent. A
     GEMM's rate depends on its shape, so the FLOP features are scaled by it before the linear model applies —
     in prediction and in calibration alike, which keeps the fit linear."""
+    step_shares: tuple[tuple[int, float], ...] = ()
+    """(ZeRO stage, share): DeepSpeed's cost of an optimizer step at that stage beyond a micro-step's, in micro-steps
+    (the probe's engine, :func:`probed_rates`): the stage's feature counts M + share per optimizer step of M
+    micro-steps — ZeRO-1 reduces and gathers once per step, ZeRO-2 reduces every micro-step — so that calibration
+    scales the stage's cost without changing its shape."""
 
     def features(self, job: Work) -> tuple[float, ...]:
         """``job``'s work in :data:`FEATURES` order, its FLOPs scaled by :attr:`flop_factors` (per precision of
@@ -147,6 +154,10 @@ class Rates:
             half = next((p for p, _, _ in self.flop_factors if p != Precision.FP32.value), Precision.BF16.value)
             for index, precision in ((0, Precision.FP32.value), (1, half)):
                 vector[index] *= factors.get((precision, job.micro_batch_size), 1.0)
+        for stage, share in self.step_shares:
+            index = FEATURES.index(f"micro_steps_z{stage}")
+            if vector[index]:
+                vector[index] += share
         return tuple(vector)
 
 
@@ -314,7 +325,9 @@ def probed_rates(rates: Rates, *, hardware: HardwareSpec, probe: MachineProbe) -
     buffer) and of the all-gather (ZeRO-3: (W−1)/W), the bandwidth slope β of each (a call's latency is left to
     the per-micro-step figures: :func:`optimizer.perf.probe_plan.collective_beta`); per byte of a pinned
     host↔device copy (the offload buffers are pinned; CPU ranks: a host copy); per parameter of DeepSpeedCPUAdam's
-    step; per byte of NVMe (write and read together) and of device memory (QLoRA's dequantization). ``source`` names
+    step; per byte of NVMe (write and read together) and of device memory (QLoRA's dequantization); per micro-step of
+    DeepSpeed's engine at each ZeRO stage, and its optimizer step's extra as :attr:`Rates.step_shares` (the skeleton's
+    micro-steps, :mod:`optimizer.perf.skeleton`). ``source`` names
     which figures came from where. Multi-node studies keep the profile's link: the probe times one node's ranks."""
     seconds = list(rates.seconds_per)
     probed: list[str] = []
@@ -350,6 +363,14 @@ def probed_rates(rates: Rates, *, hardware: HardwareSpec, probe: MachineProbe) -
         take("nvme_bytes", sum(f.median_s for f in nvme) / sum(f.work for f in nvme))
     memory = probe.find("memory")
     take("dequant_bytes", memory and memory.seconds_per_unit)
+    shares: list[tuple[int, float]] = []
+    for stage in ZeroStage:
+        micro, step = (next((f for f in probe.of_kind(kind) if f.variant == f"z{int(stage)}"), None)
+                       for kind in ("engine_micro", "engine_step"))
+        if micro is not None:
+            take(f"micro_steps_z{int(stage)}", micro.median_s)
+            if step is not None:
+                shares.append((int(stage), max(0.0, step.median_s - micro.median_s) / micro.median_s))
     if not probed:
         return rates
     kept = [n for n, v in zip(FEATURES, seconds, strict=True) if n not in probed and v is not None]
@@ -357,7 +378,7 @@ def probed_rates(rates: Rates, *, hardware: HardwareSpec, probe: MachineProbe) -
     if kept:
         source += f"; {rates.source} ({', '.join(kept)})"
     return Rates(seconds_per=tuple(seconds), source=source, overlap_z3=rates.overlap_z3,
-                 flop_factors=tuple(sorted(factors)))
+                 flop_factors=tuple(sorted(factors)), step_shares=tuple(shares))
 
 
 def predict(*, job: Work, rates: Rates, ranks: int) -> StepTime | str:

@@ -81,21 +81,28 @@ class TrialFailed(Exception):
 
 def seed_study(study: optuna.Study, spec: StudySpec, space: Branches) -> int:
     """Enqueue the first safe candidates of the launch order with the uncalibrated models
-    (:func:`optimizer.search.next_launch.options`) — one per ZeRO stage, the lower stages first: each stage has
-    its own per-micro-step and communication figures, and the time model can rank a stage only once it has
-    measured it — once per study (a study attribute guards it)."""
+    (:func:`optimizer.search.next_launch.options`), once per study (a study attribute guards it). Where the
+    machine's probe timed DeepSpeed's engine at every ZeRO stage of the space (:mod:`optimizer.perf.skeleton`), the
+    time model ranks the stages before any trial: the first of the launch order, whatever their stages. Otherwise
+    one per ZeRO stage, the lower stages first: each stage has its own per-micro-step and communication figures,
+    and the time model can rank a stage only once it has measured it."""
     if study.user_attrs.get("dsopt_seeded"):
         return 0
     base = baseline_candidate(spec.training)
+    candidates = list(spec.search_space.candidates(base))
     verdicts = [evaluate(candidate=c, model=spec.model, hardware=spec.hardware, training=spec.training)
-                for c in spec.search_space.candidates(base)]
+                for c in candidates]
     models = study_models(spec=spec, trials=[], base=base)
     safe = [o for o in options(spec=spec, space=space, trials=[], models=models, verdicts=verdicts)
             if o.assessment.standing is Standing.SAFE]
-    per_stage: dict[int, object] = {}
-    for option in safe:
-        per_stage.setdefault(int(option.candidate.zero_stage), option)
-    ranked = [per_stage[stage] for stage in sorted(per_stage)] + [o for o in safe if o not in per_stage.values()]
+    probe = spec.hardware.probe
+    timed = {f.variant for f in probe.of_kind("engine_micro")} if probe is not None else set()
+    ranked = safe
+    if not all(f"z{int(c.zero_stage)}" in timed for c in candidates):
+        per_stage: dict[int, object] = {}
+        for option in safe:
+            per_stage.setdefault(int(option.candidate.zero_stage), option)
+        ranked = [per_stage[stage] for stage in sorted(per_stage)] + [o for o in safe if o not in per_stage.values()]
     for option in ranked[:SEED_ENQUEUE]:
         study.enqueue_trial(distribution_params(option.candidate, space), skip_if_exists=True,
                             user_attrs={"enqueued_by": "seed"})

@@ -3,7 +3,8 @@
 A probe times, on the study's own ranks and at the study's own shapes, the operations its candidates run
 (:mod:`optimizer.perf.probe_plan` says which; :mod:`launchers.rank.probe_rank` times them): the model's GEMMs and
 attention in each precision at each micro-batch, the optimizer step on the device and DeepSpeedCPUAdam's on the
-host, host↔device copies, the collectives across the ranks and NVMe reads and writes. Each figure keeps its
+host, host↔device copies, the collectives across the ranks, NVMe reads and writes, and DeepSpeed's engine's own
+cost per micro-step at each ZeRO stage. Each figure keeps its
 spread: every rank times ``repeats`` rounds; a figure's ``median_s`` is the slowest rank's median (a step waits
 for its slowest rank), ``low_s``/``high_s`` the fastest and slowest round on any rank.
 
@@ -22,11 +23,14 @@ PROBE_FORMAT = 1
 """Bumped when the recorded fields change (the cache key carries it)."""
 
 KINDS = ("gemm", "attention", "device_adam", "host_adam", "copy", "memory", "all_reduce", "reduce_scatter",
-         "all_gather", "nvme_write", "nvme_read")
+         "all_gather", "nvme_write", "nvme_read", "engine_micro", "engine_step")
 """What a figure times (module doc): ``gemm`` and ``attention`` forward + backward of the model's matmuls and
 attention core at one precision and micro-batch (work: FLOPs); ``device_adam``/``host_adam`` one optimizer step
 (work: parameters); ``copy`` host↔device (CPU ranks: host memory to host memory; work: bytes); ``memory`` a
-device-memory copy (work: bytes read + written); the collectives (work: bytes of the buffer); NVMe (work: bytes)."""
+device-memory copy (work: bytes read + written); the collectives (work: bytes of the buffer); NVMe (work: bytes);
+``engine_micro`` a micro-step of DeepSpeed's engine that only accumulates and ``engine_step`` one that also steps
+the optimizer, on the study's model at a tiny width (:mod:`optimizer.perf.skeleton`; variant: the ZeRO stage,
+``z2``; work: 1 micro-step)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

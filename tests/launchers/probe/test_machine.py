@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from launchers.probe.machine import cache_key, merge, with_probe
+from launchers.probe.machine import cache_key, merge, rank_input, with_probe
 from optimizer.cli import main
 from optimizer.perf.probe_plan import probe_plan
 from optimizer.study.study_file import load_study
@@ -30,9 +31,16 @@ def test_cache_key_is_the_plan_and_the_machine(monkeypatch):
     study = load_study(ROOT / "studies" / "grid-cpu.yaml")
     demo = load_study(ROOT / "studies" / "demo-cpu.yaml")
     plan = probe_plan(study)
-    assert cache_key(plan) == cache_key(probe_plan(demo))  # the same shapes and space: one probe serves both
+    assert cache_key(study, plan) == cache_key(demo, probe_plan(demo))  # the same shapes and space: one probe
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    assert cache_key(probe_plan(load_study(ROOT / "studies" / "llama-7b-8xh100.yaml"))) != cache_key(plan)
+    big = load_study(ROOT / "studies" / "llama-7b-8xh100.yaml")
+    assert cache_key(big, probe_plan(big)) != cache_key(study, plan)
+    # what trains changes DeepSpeed's cost, not the plan's shapes: the engines' plans are in the key
+    lora = replace(study, model=replace(study.model, peft='{"peft_type":"LORA","r":2,"target_modules":["q"]}'))
+    assert probe_plan(lora).gemm_shapes == plan.gemm_shapes and cache_key(lora, probe_plan(lora)) != cache_key(
+        study, plan)
+    (engine, *_) = rank_input(lora, probe_plan(lora))["engines"]
+    assert engine["model"]["peft"]["r"] == 2 and engine["model"]["hidden_size"] < study.model.hidden_size
 
 
 def test_a_cuda_study_on_a_machine_without_cuda_keeps_its_profile(monkeypatch):

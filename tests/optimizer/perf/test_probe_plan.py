@@ -135,3 +135,27 @@ def test_flop_factors_shape_prediction_and_calibration_alike():
     assert fitted.flop_factors == truth.flop_factors
     for sample in samples:  # the factors carried into the fit: every step time recovered
         assert predict(job=sample.work, rates=fitted, ranks=2).total_s == pytest.approx(sample.step_time_s, rel=0.02)
+
+
+def test_the_engines_figures_are_each_stages_cost_per_micro_step_and_per_step():
+    study = load_study(ROOT / "studies" / "grid-cpu.yaml")
+    engine = (figure("engine_micro", 0.004, 1, precision="bf16", variant="z1"),
+              figure("engine_step", 0.034, 1, precision="bf16", variant="z1"),
+              figure("engine_micro", 0.050, 1, precision="bf16", variant="z2"),
+              figure("engine_step", 0.045, 1, precision="bf16", variant="z2"))  # noise: the step no dearer
+    probe = replace(two_rank_probe(), figures=two_rank_probe().figures + engine)
+    rates = profile_rates(hardware=replace(study.hardware, probe=probe))
+    got = dict(zip(FEATURES, rates.seconds_per, strict=True))
+    assert (got["micro_steps_z1"], got["micro_steps_z2"], got["micro_steps_z0"]) == (0.004, 0.050, None)
+    assert dict(rates.step_shares) == {1: pytest.approx(7.5), 2: 0.0}  # (34 − 4) / 4 micro-steps; never below 0
+    assert "micro_steps_z1" in rates.source
+    base = baseline_candidate(study.training)
+    for stage, per_step in ((1, lambda m: 0.004 * (m + 7.5)), (2, lambda m: 0.050 * m)):
+        for mbs in (1, 4):  # 4 micro-steps and 1
+            c = with_knobs(base, dict(zero_stage=stage, precision="fp32", micro_batch_size=mbs,
+                                      offload_optimizer="none"))
+            job = work(candidate=c, model=study.model, hardware=study.hardware, training=study.training)
+            overhead = dict(predict(job=job, rates=rates, ranks=2).terms_s)["overhead"]
+            assert overhead == pytest.approx(per_step(job.micro_steps))
+    fitted = fit_rates([TimeSample(work=job, step_time_s=1.0)], prior=rates)
+    assert fitted.step_shares == rates.step_shares  # calibration scales a stage's cost, its shape stays the probe's

@@ -29,6 +29,7 @@ from optimizer.search.objective import seed_study as seed_the_study
 from optimizer.search.space import branches, distribution_params, sample_candidate
 from optimizer.study.errors import UserError
 from optimizer.study.knobs import OffloadDevice, ZeroStage
+from optimizer.study.machine_probe import MachineProbe, ProbeFigure
 from optimizer.study.specs import baseline_candidate
 from optimizer.study.study_file import load_study
 
@@ -111,6 +112,39 @@ def test_seeding_enqueues_one_safe_candidate_per_stage_lowest_first_and_only_onc
     base = baseline_candidate(tiny.training)
     stages = [sample_candidate(study.ask(), space, base).zero_stage for _ in range(3)]
     assert stages == [ZeroStage.DISABLED, ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS]
+
+
+def _probed(spec, *, engine_s: dict[int, float]):
+    """``spec`` with a probe of its machine written by hand: every kernel figure the CPU time model needs, and
+    DeepSpeed's engine per micro-step at the stages of ``engine_s`` (seconds; the optimizer step as dear again)."""
+    def fig(kind, seconds, work, **kw):
+        return ProbeFigure(kind=kind, work=work, median_s=seconds, low_s=seconds, high_s=seconds, repeats=5, **kw)
+
+    figures = [fig(kind, 1e-3 * b, 1e8 * b, precision=p, micro_batch=b) for kind in ("gemm", "attention")
+               for p in ("fp32", "bf16") for b in (1, 2, 4)]
+    figures += [fig("all_reduce", 1e-3, 8192.0, variant="8192 B"), fig("all_reduce", 2e-2, 16e6, variant="16 MB"),
+                fig("all_gather", 1e-3, 8192.0, variant="8192 B"), fig("all_gather", 1e-2, 16e6, variant="16 MB"),
+                fig("host_adam", 1e-4, 6e4), fig("copy", 1e-5, 1e5, variant="host")]
+    for stage, seconds in engine_s.items():
+        figures += [fig("engine_micro", seconds, 1, precision="bf16", variant=f"z{stage}"),
+                    fig("engine_step", 2 * seconds, 1, precision="bf16", variant=f"z{stage}")]
+    probe = MachineProbe(machine="m", measured_at="2026-12-06T00:00:00+00:00", ranks=2, seconds=1.0,
+                         figures=tuple(figures))
+    return replace(spec, hardware=replace(spec.hardware, probe=probe))
+
+
+def test_with_every_stages_engine_probed_the_seeds_follow_the_time_model_not_the_stages(tiny):
+    # ZeRO-3's engine timed 100× cheaper than the others': the model's fastest candidates are ZeRO-3 ones, and the
+    # seeds are the launch order's first three, whatever their stage (without the engine: one per stage, z0 first)
+    base = baseline_candidate(tiny.training)
+    for engine_s, first_stages in (({0: 0.1, 1: 0.1, 2: 0.1, 3: 0.001}, {ZeroStage.PARAMETERS}),
+                                   ({0: 0.1, 1: 0.1, 2: 0.1}, {ZeroStage.DISABLED})):
+        spec = _probed(tiny, engine_s=engine_s)
+        study = optuna.create_study(directions=list(DIRECTIONS))
+        assert seed_the_study(study, spec, branches(spec)) == 3
+        stages = [sample_candidate(study.ask(), branches(spec), base).zero_stage for _ in range(3)]
+        assert stages[0] in first_stages
+    assert set(stages) == {ZeroStage.DISABLED, ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS}  # a stage not probed
 
 
 def test_seeding_again_enqueues_no_duplicate(tiny):

@@ -1,5 +1,6 @@
 """`dsopt probe` on 2 real CPU ranks: every operation the plan lists timed on both ranks (DeepSpeedCPUAdam, gloo
-through deepspeed.comm), merged, cached per machine — and the time model reading it."""
+through deepspeed.comm, DeepSpeed's engine at each ZeRO stage on the model's skeleton), merged, cached per machine —
+and the time model reading it."""
 
 from __future__ import annotations
 
@@ -51,4 +52,11 @@ def test_dsopt_probe_times_every_planned_operation_and_caches_it(tmp_path, monke
     known = dict(zip(FEATURES, rates.seconds_per, strict=True))
     assert all(known[name] for name in ("flops_fp32", "flops_16bit", "comm_bytes", "comm_bytes_z3", "pcie_bytes",
                                         "host_params"))
-    assert known["micro_steps_z0"] is None  # DeepSpeed's per-micro-step cost is not a kernel: trials measure it
+    # DeepSpeed's engine on the model's skeleton, each stage of the space: its cost per micro-step, and its optimizer
+    # step's in micro-steps
+    engine = {(f["kind"], f["variant"]) for f in probe["figures"] if f["kind"].startswith("engine")}
+    assert engine == {(kind, f"z{stage}") for kind in ("engine_micro", "engine_step") for stage in plan.engine_stages}
+    assert all(known[f"micro_steps_z{stage}"] for stage in plan.engine_stages)
+    assert {stage for stage, _ in rates.step_shares} == set(plan.engine_stages)
+    micro = {f["variant"]: f["median_s"] for f in probe["figures"] if f["kind"] == "engine_micro"}
+    assert micro["z3"] > micro["z0"]  # ZeRO-3 gathers every module's parameters in each micro-step; ZeRO-0 nothing
