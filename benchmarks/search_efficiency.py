@@ -73,8 +73,7 @@ from benchmarks.rank_correlation import spearman
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.98
-FIRST_WITHIN = 0.9
-"""The first launch counts as good when feasible and at least this share of the best feasible speed (issue 38)."""
+FIRST_WITHIN = 0.9  # a first launch counts when feasible and at least this share of the best's speed (issue 38)
 GRIDS = (ROOT / "benchmarks" / "data" / "grid-cpu.json", ROOT / "benchmarks" / "data" / "grid-llama-cpu.json",
          ROOT / "benchmarks" / "data" / "grid-qwen2-cpu.json")
 """The recorded grids: the built-in tiny GPT, a 4-layer GQA Llama and a 3-layer GQA Qwen2 with tied embeddings
@@ -349,12 +348,9 @@ def summarize(name: str, runs: list[Run], grid: Grid) -> str:
     def text(value: float) -> str:
         return "never" if value == float("inf") else f"{value:g} ({value / total:.0%})"
 
-    worst = text(launches[-1]) + (f" — {never} of {len(runs)} runs never, after "
-                                  f"{max(len(r.launched) for r in runs if r.reached_at is None)} launches"
-                                  if never else "")
-    ooms = [r.ooms(grid) for r in runs]
-    false = [r.false_prunes for r in runs]
-    held = [r.held_fits for r in runs]
+    longest = max((len(r.launched) for r in runs if r.reached_at is None), default=0)
+    worst = text(launches[-1]) + (f" — {never} of {len(runs)} runs never, after {longest} launches" if never else "")
+    ooms, false, held = [r.ooms(grid) for r in runs], [r.false_prunes for r in runs], [r.held_fits for r in runs]
     rho = [r.spearman for r in runs if r.spearman is not None]
     first = sum(1 for r in runs if r.launched and grid.feasible(entry := grid.entries[r.launched[0]])
                 and entry["tokens_per_s"] >= FIRST_WITHIN * grid.best_tokens_per_s)

@@ -215,15 +215,15 @@ def engine_rounds(timer: Timer, engine: dict[str, Any], *, device: Any) -> tuple
     """Per round, seconds of a micro-step that only accumulates and of one that steps the optimizer (``engine``:
     a skeleton's rank plan with 2 micro-steps per step, :mod:`optimizer.perf.skeleton`), on DeepSpeed's engine
     built as a trial's is (:func:`launchers.models.builtin.build_workload`, ``deepspeed.initialize``). One step
-    warms it up first (it builds the buckets and, at ZeRO-3, traces the module order the prefetch follows). Every rank runs the same
-    calls: they are collectives."""
+    warms it up first (it builds the buckets and, at ZeRO-3, traces the module order the prefetch follows). Every rank
+    runs the same calls: they are collectives."""
     import deepspeed
     import deepspeed.comm as dist
 
     from launchers.models.builtin import build_workload
 
     config = engine["config"]
-    model, batch_fn = build_workload(model_spec=engine["model"], checkpointing="none",
+    model, batch_fn = build_workload(model_spec=engine["model"], checkpointing=engine["checkpointing"],
                                      sequence_length=engine["sequence_length"], seed=engine["seed"], entry_point=None,
                                      construction=engine["construction"], ds_config=config, device=device)
     trained, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
@@ -312,12 +312,14 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
             except OSError as err:
                 skipped.append({"what": kind, "why": f"{plan['nvme_path']}: {err.strerror or err}"})
     for engine in plan.get("engines", ()):
-        what = {"precision": plan["engine_precision"], "variant": f"z{engine['stage']}", "work": 1}
+        checkpointed = "" if engine["checkpointing"] == "none" else f" ckpt={engine['checkpointing']}"
+        variant = f"z{engine['stage']}{checkpointed}"
+        what = {"precision": plan["engine_precision"], "variant": variant, "work": 1}
         dist.barrier()
         try:
             accumulating, stepping = engine_rounds(timer, engine, device=device)
         except Exception as err:  # a stage this machine cannot run (fp16 on a CPU without it) is a finding
-            skipped.append({"what": f"engine z{engine['stage']} {plan['engine_precision']}",
+            skipped.append({"what": f"engine {variant} {plan['engine_precision']}",
                             "why": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"})
             continue
         gc.collect()  # the engine before the next one is built (ZeRO-3's hooks hold it in cycles)

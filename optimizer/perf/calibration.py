@@ -76,7 +76,8 @@ def fit_rates(samples: Sequence[TimeSample], *, prior: Rates) -> Rates:
     for j, k in enumerate(used):
         seconds[k] = float(u[j] * t_ref / scale[k])
     return Rates(seconds_per=tuple(seconds), source=f"calibrated on {len(samples)} trial(s)", overlap_z3=False,
-                 flop_factors=prior.flop_factors, step_shares=prior.step_shares)
+                 flop_factors=prior.flop_factors, step_shares=prior.step_shares,
+                 recompute_shares=prior.recompute_shares)
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -41,7 +41,7 @@ from typing import Any
 from optimizer.deepspeed.zero_settings import zero_settings
 from optimizer.ledger.transformer import four_bit_weights, trainable_count
 from optimizer.perf.skeleton import skeleton_model
-from optimizer.study.knobs import OffloadDevice, Precision, ZeroStage
+from optimizer.study.knobs import EveryKCheckpointing, FullCheckpointing, OffloadDevice, Precision, ZeroStage
 from optimizer.study.machine_probe import MachineProbe
 from optimizer.study.specs import Accelerator, AttentionKind, MlpKind, TransformerModel, baseline_candidate
 from optimizer.study.study_file import StudySpec
@@ -103,6 +103,10 @@ class ProbePlan:
     engine_precision: str = ""
     """The precision the skeleton's engines train in: the space's 16-bit one where it has one (most of its
     candidates), else fp32."""
+    engine_recompute: bool = False
+    """The space recomputes whole blocks (``checkpointing: full`` or ``every_K``): the engine of the lowest stage is
+    also timed with every block checkpointed (``torch.utils.checkpoint``'s own cost per micro-step: on CPU ranks
+    ~15 ms for 2 tiny blocks, far more than the recomputed FLOPs)."""
     engine_skipped: str = ""
     """Why no engine is timed (the model cannot be shrunk, :func:`optimizer.perf.skeleton.skeleton_model`)."""
 
@@ -129,7 +133,7 @@ class ProbePlan:
                 "memory_bytes": self.memory_bytes, "reduce_bytes": list(self.reduce_bytes),
                 "gather_bytes": list(self.gather_bytes), "nvme_path": self.nvme_path, "nvme_bytes": self.nvme_bytes,
                 "engine_stages": list(self.engine_stages), "engine_precision": self.engine_precision,
-                "engine_skipped": self.engine_skipped,
+                "engine_skipped": self.engine_skipped, "engine_recompute": self.engine_recompute,
                 "gemm_flops": {str(b): self.gemm_flops(b) for b in self.micro_batches},
                 "attention_flops": {str(b): self.attention_flops(b) for b in self.micro_batches}}
 
@@ -192,7 +196,8 @@ def probe_plan(spec: StudySpec) -> ProbePlan:
         nvme_path=hardware.nvme_path if nvme else None, nvme_bytes=NVME_PROBE_BYTES if nvme else 0,
         engine_stages=() if isinstance(skeleton, str) else tuple(sorted(int(s) for s in stages)),
         engine_precision=(half or list(precisions) or [Precision.FP32.value])[0],
-        engine_skipped=skeleton if isinstance(skeleton, str) else "")
+        engine_skipped=skeleton if isinstance(skeleton, str) else "",
+        engine_recompute=any(isinstance(c.checkpointing, (FullCheckpointing, EveryKCheckpointing)) for c in candidates))
 
 
 def compute_rate(probe: MachineProbe, *, precision: str, micro_batch: int) -> float | None:

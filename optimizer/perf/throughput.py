@@ -50,7 +50,8 @@ M = G/(micro-batch·W) micro-steps:
   ranks, where it dominates small models.
 
 Figures come from :mod:`optimizer.study.hardware_profiles`, or where the study carries one from this machine's probe
-(:func:`probed_rates`); a missing one makes the prediction ``None`` with the reason, never a guess.
+(:func:`optimizer.perf.probed_rates.probed_rates`); a missing one makes the prediction ``None`` with the reason,
+never a guess.
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ from dataclasses import dataclass
 
 from optimizer.ledger.transformer import parameter_count, trainable_count
 from optimizer.perf.four_bit_work import four_bit_work
-from optimizer.perf.probe_plan import collective_beta, compute_rate
 from optimizer.study.constraints import gradient_accumulation_steps
 from optimizer.study.knobs import (
     Candidate,
@@ -70,7 +70,6 @@ from optimizer.study.knobs import (
     SelectiveCheckpointing,
     ZeroStage,
 )
-from optimizer.study.machine_probe import MachineProbe
 from optimizer.study.specs import HardwareSpec, TrainingSpec, TransformerModel
 
 FEATURES = ("flops_fp32", "flops_16bit", "comm_bytes", "comm_bytes_z3", "pcie_bytes", "host_params", "nvme_bytes",
@@ -111,6 +110,9 @@ class Work:
     """Device-memory bytes written and read by dequantizing 4-bit weights (QLoRA; module doc)."""
     micro_batch_size: int = 0
     """Samples per micro-step (which of the probe's per-micro-batch compute rates applies; 0: none)."""
+    recomputed_blocks: float = 0.0
+    """Share of the blocks recomputed in backward (full checkpointing 1, every_K ⌊L/K⌋/L; selective recomputes no
+    block): how much of the probe's recomputation cost per micro-step applies (:attr:`Rates.recompute_shares`)."""
 
     def vector(self) -> tuple[float, ...]:
         """The work in :data:`FEATURES` order."""
@@ -136,14 +138,18 @@ class Rates:
     are fitted as exposed time already."""
     flop_factors: tuple[tuple[str, int, float], ...] = ()
     """(precision, micro-batch, factor): the machine's seconds per FLOP at that micro-batch relative to the
-    figure in ``seconds_per`` (the probe's, :func:`probed_rates`); 1 where absent. A
+    figure in ``seconds_per`` (the probe's, :func:`optimizer.perf.probed_rates.probed_rates`); 1 where absent. A
     GEMM's rate depends on its shape, so the FLOP features are scaled by it before the linear model applies —
     in prediction and in calibration alike, which keeps the fit linear."""
     step_shares: tuple[tuple[int, float], ...] = ()
     """(ZeRO stage, share): DeepSpeed's cost of an optimizer step at that stage beyond a micro-step's, in micro-steps
-    (the probe's engine, :func:`probed_rates`): the stage's feature counts M + share per optimizer step of M
-    micro-steps — ZeRO-1 reduces and gathers once per step, ZeRO-2 reduces every micro-step — so that calibration
-    scales the stage's cost without changing its shape."""
+    (the probe's engine, :mod:`optimizer.perf.probed_rates`): the stage's feature counts M + share per optimizer
+    step of M micro-steps — ZeRO-1 reduces and gathers once per step, ZeRO-2 reduces every micro-step — so that
+    calibration scales the stage's cost without changing its shape."""
+    recompute_shares: tuple[tuple[int, float], ...] = ()
+    """(ZeRO stage, share): the cost per micro-step of recomputing every block (``torch.utils.checkpoint``'s own
+    work beside the recomputed FLOPs: the probe's engine checkpointed less plain, :mod:`optimizer.perf.probed_rates`),
+    in units of the stage's micro-step; a candidate's stage feature counts M·share·``recomputed_blocks`` more."""
 
     def features(self, job: Work) -> tuple[float, ...]:
         """``job``'s work in :data:`FEATURES` order, its FLOPs scaled by :attr:`flop_factors` (per precision of
@@ -158,6 +164,9 @@ class Rates:
             index = FEATURES.index(f"micro_steps_z{stage}")
             if vector[index]:
                 vector[index] += share
+        for stage, share in self.recompute_shares if job.recomputed_blocks else ():
+            index = FEATURES.index(f"micro_steps_z{stage}")
+            vector[index] += job.micro_steps * job.recomputed_blocks * share if vector[index] else 0.0
         return tuple(vector)
 
 
@@ -283,7 +292,8 @@ def work(*, candidate: Candidate, model: TransformerModel, hardware: HardwareSpe
     return Work(flops=flops, comm_bytes=comm, comm_bytes_z3=comm_z3, pcie_bytes=pcie, host_params=host,
                 nvme_bytes=nvme, micro_steps=micro, stage=stage, tokens=tokens, precision=candidate.precision,
                 flops_fp32_compute=0.0 if fp32 else other_flops, flops_16bit_compute=other_flops if fp32 else 0.0,
-                dequant_bytes=four_bit.dequant_bytes, micro_batch_size=candidate.micro_batch_size)
+                dequant_bytes=four_bit.dequant_bytes, micro_batch_size=candidate.micro_batch_size,
+                recomputed_blocks=recomputed_blocks)
 
 
 def profile_rates(*, hardware: HardwareSpec) -> Rates:
@@ -296,7 +306,7 @@ def profile_rates(*, hardware: HardwareSpec) -> Rates:
     profile = hardware.profile
     if profile is None:
         rates = Rates(seconds_per=(None,) * len(FEATURES), source="no hardware.profile")
-        return rates if hardware.probe is None else probed_rates(rates, hardware=hardware, probe=hardware.probe)
+        return rates if hardware.probe is None else _probed(rates, hardware=hardware)
     link = profile.link_bytes_per_s if hardware.nodes == 1 else (
         hardware.inter_node_bytes_per_s or profile.inter_node_bytes_per_s)
     nvme = hardware.nvme_bytes_per_s
@@ -315,70 +325,14 @@ def profile_rates(*, hardware: HardwareSpec) -> Rates:
         *((0.0 if gpu else None),) * 4,  # per-micro-step overheads: negligible on GPUs for large models
         inverse(profile.memory_bytes_per_s),
     ), source=f"profile {profile.name}")
-    return rates if hardware.probe is None else probed_rates(rates, hardware=hardware, probe=hardware.probe)
+    return rates if hardware.probe is None else _probed(rates, hardware=hardware)
 
 
-def probed_rates(rates: Rates, *, hardware: HardwareSpec, probe: MachineProbe) -> Rates:
-    """``rates`` with every figure the probe measured taken from it (:mod:`optimizer.perf.probe_plan`): seconds per
-    FLOP of the model's own GEMMs and attention at the study's middle micro-batch (the others as
-    :attr:`Rates.flop_factors`); per byte moved of the all-reduce (ZeRO 0–2: each rank moves 2·(W−1)/W of the
-    buffer) and of the all-gather (ZeRO-3: (W−1)/W), the bandwidth slope β of each (a call's latency is left to
-    the per-micro-step figures: :func:`optimizer.perf.probe_plan.collective_beta`); per byte of a pinned
-    host↔device copy (the offload buffers are pinned; CPU ranks: a host copy); per parameter of DeepSpeedCPUAdam's
-    step; per byte of NVMe (write and read together) and of device memory (QLoRA's dequantization); per micro-step of
-    DeepSpeed's engine at each ZeRO stage, and its optimizer step's extra as :attr:`Rates.step_shares` (the skeleton's
-    micro-steps, :mod:`optimizer.perf.skeleton`). ``source`` names
-    which figures came from where. Multi-node studies keep the profile's link: the probe times one node's ranks."""
-    seconds = list(rates.seconds_per)
-    probed: list[str] = []
+def _probed(rates: Rates, *, hardware: HardwareSpec) -> Rates:
+    from optimizer.perf.probed_rates import probed_rates  # it reads this module's Rates: imported when first used
 
-    def take(feature: str, value: float | None) -> None:
-        if value is not None and value > 0:
-            seconds[FEATURES.index(feature)] = value
-            probed.append(feature)
-
-    half = Precision.BF16 if Precision.BF16 in hardware.supported_precisions else Precision.FP16
-    factors: list[tuple[str, int, float]] = []
-    for feature, precision in (("flops_fp32", Precision.FP32), ("flops_16bit", half)):
-        measured = sorted({f.micro_batch for f in probe.of_kind("gemm") if f.precision == precision.value})
-        by_batch = {b: compute_rate(probe, precision=precision.value, micro_batch=b) for b in measured}
-        by_batch = {b: r for b, r in by_batch.items() if r}
-        if not by_batch:
-            continue
-        reference = sorted(by_batch)[len(by_batch) // 2]  # the middle one: the others are factors of it
-        take(feature, by_batch[reference])
-        factors += [(precision.value, b, r / by_batch[reference]) for b, r in by_batch.items()]
-    ring = (probe.ranks - 1) / probe.ranks
-    if hardware.nodes == 1 and ring > 0:
-        reduce, gather = collective_beta(probe, "all_reduce"), collective_beta(probe, "all_gather")
-        take("comm_bytes", reduce and reduce / (2 * ring))
-        take("comm_bytes_z3", gather and gather / ring)
-    copies = [f for f in probe.of_kind("copy") if f.variant.startswith("pinned")] or list(probe.of_kind("copy"))
-    if copies:
-        take("pcie_bytes", sum(f.median_s for f in copies) / sum(f.work for f in copies))
-    adam = probe.find("host_adam")
-    take("host_params", adam and adam.seconds_per_unit)
-    nvme = probe.of_kind("nvme_write") + probe.of_kind("nvme_read")
-    if nvme:
-        take("nvme_bytes", sum(f.median_s for f in nvme) / sum(f.work for f in nvme))
-    memory = probe.find("memory")
-    take("dequant_bytes", memory and memory.seconds_per_unit)
-    shares: list[tuple[int, float]] = []
-    for stage in ZeroStage:
-        micro, step = (next((f for f in probe.of_kind(kind) if f.variant == f"z{int(stage)}"), None)
-                       for kind in ("engine_micro", "engine_step"))
-        if micro is not None:
-            take(f"micro_steps_z{int(stage)}", micro.median_s)
-            if step is not None:
-                shares.append((int(stage), max(0.0, step.median_s - micro.median_s) / micro.median_s))
-    if not probed:
-        return rates
-    kept = [n for n, v in zip(FEATURES, seconds, strict=True) if n not in probed and v is not None]
-    source = f"probe {probe.measured_at[:16]} ({', '.join(probed)})"
-    if kept:
-        source += f"; {rates.source} ({', '.join(kept)})"
-    return Rates(seconds_per=tuple(seconds), source=source, overlap_z3=rates.overlap_z3,
-                 flop_factors=tuple(sorted(factors)), step_shares=tuple(shares))
+    assert hardware.probe is not None
+    return probed_rates(rates, hardware=hardware, probe=hardware.probe)
 
 
 def predict(*, job: Work, rates: Rates, ranks: int) -> StepTime | str:

@@ -39,8 +39,12 @@ def test_cache_key_is_the_plan_and_the_machine(monkeypatch):
     lora = replace(study, model=replace(study.model, peft='{"peft_type":"LORA","r":2,"target_modules":["q"]}'))
     assert probe_plan(lora).gemm_shapes == plan.gemm_shapes and cache_key(lora, probe_plan(lora)) != cache_key(
         study, plan)
-    (engine, *_) = rank_input(lora, probe_plan(lora))["engines"]
-    assert engine["model"]["peft"]["r"] == 2 and engine["model"]["hidden_size"] < study.model.hidden_size
+    engines = rank_input(lora, probe_plan(lora))["engines"]
+    assert engines[0]["model"]["peft"]["r"] == 2 and engines[0]["model"]["hidden_size"] < study.model.hidden_size
+    # each stage of the space, then the lowest again with every block checkpointed (the space recomputes blocks)
+    assert [(e["stage"], e["checkpointing"]) for e in engines] == [(0, "none"), (1, "none"), (2, "none"),
+                                                                   (3, "none"), (0, "full")]
+    assert all(e["config"]["gradient_accumulation_steps"] == 2 and e["sequence_length"] == 16 for e in engines)
 
 
 def test_a_cuda_study_on_a_machine_without_cuda_keeps_its_profile(monkeypatch):

@@ -12,7 +12,7 @@ from optimizer.perf.calibration import TimeSample, fit_rates
 from optimizer.perf.probe_plan import MAX_ELEMENTS_CPU, gemm_shapes, probe_plan
 from optimizer.perf.throughput import FEATURES, Rates, predict, profile_rates, work
 from optimizer.study.hardware_profiles import profile_named
-from optimizer.study.knobs import Precision, ZeroStage, with_knobs
+from optimizer.study.knobs import NoCheckpointing, Precision, ZeroStage, with_knobs
 from optimizer.study.machine_probe import MachineProbe, ProbeFigure
 from optimizer.study.specs import HardwareSpec, MlpKind, TransformerModel, baseline_candidate
 from optimizer.study.study_file import load_study
@@ -159,3 +159,27 @@ def test_the_engines_figures_are_each_stages_cost_per_micro_step_and_per_step():
             assert overhead == pytest.approx(per_step(job.micro_steps))
     fitted = fit_rates([TimeSample(work=job, step_time_s=1.0)], prior=rates)
     assert fitted.step_shares == rates.step_shares  # calibration scales a stage's cost, its shape stays the probe's
+
+
+def test_recomputation_costs_its_probed_extra_per_micro_step_in_proportion_to_the_blocks_it_recomputes():
+    study = load_study(ROOT / "studies" / "grid-cpu.yaml")
+    assert probe_plan(study).engine_recompute  # grid-cpu's space has checkpointing: full
+    plain = replace(study, search_space=replace(study.search_space, values=(("checkpointing", (NoCheckpointing(),)),)))
+    assert not probe_plan(plain).engine_recompute
+    engine = (figure("engine_micro", 0.004, 1, precision="bf16", variant="z0"),
+              figure("engine_micro", 0.050, 1, precision="bf16", variant="z2"),
+              figure("engine_micro", 0.014, 1, precision="bf16", variant="z0 ckpt=full"))
+    probe = replace(two_rank_probe(), figures=two_rank_probe().figures + engine)
+    rates = profile_rates(hardware=replace(study.hardware, probe=probe))
+    assert dict(rates.recompute_shares) == {0: pytest.approx(2.5), 2: pytest.approx(0.2)}  # 10 ms in each's units
+    base = baseline_candidate(study.training)
+    for stage in (0, 2):
+        overhead = {}
+        for checkpointing in ("none", "full", "every_2"):
+            c = with_knobs(base, dict(zero_stage=stage, precision="fp32", micro_batch_size=1, offload_optimizer="none",
+                                      checkpointing=checkpointing))
+            job = work(candidate=c, model=study.model, hardware=study.hardware, training=study.training)
+            overhead[checkpointing] = dict(predict(job=job, rates=rates, ranks=2).terms_s)["overhead"]
+        # 4 micro-steps: 10 ms more each with every block recomputed, half that with every 2nd of grid-cpu's 2 blocks
+        assert overhead["full"] - overhead["none"] == pytest.approx(4 * 0.010)
+        assert overhead["every_2"] - overhead["none"] == pytest.approx(4 * 0.005)

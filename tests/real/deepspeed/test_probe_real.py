@@ -55,8 +55,11 @@ def test_dsopt_probe_times_every_planned_operation_and_caches_it(tmp_path, monke
     # DeepSpeed's engine on the model's skeleton, each stage of the space: its cost per micro-step, and its optimizer
     # step's in micro-steps
     engine = {(f["kind"], f["variant"]) for f in probe["figures"] if f["kind"].startswith("engine")}
-    assert engine == {(kind, f"z{stage}") for kind in ("engine_micro", "engine_step") for stage in plan.engine_stages}
+    variants = [f"z{stage}" for stage in plan.engine_stages] + ([f"z{plan.engine_stages[0]} ckpt=full"]
+                                                                 if plan.engine_recompute else [])
+    assert engine == {(kind, variant) for kind in ("engine_micro", "engine_step") for variant in variants}
     assert all(known[f"micro_steps_z{stage}"] for stage in plan.engine_stages)
     assert {stage for stage, _ in rates.step_shares} == set(plan.engine_stages)
     micro = {f["variant"]: f["median_s"] for f in probe["figures"] if f["kind"] == "engine_micro"}
     assert micro["z3"] > micro["z0"]  # ZeRO-3 gathers every module's parameters in each micro-step; ZeRO-0 nothing
+    assert plan.engine_recompute and rates.recompute_shares  # demo-cpu's space has checkpointing: full

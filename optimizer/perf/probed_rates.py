@@ -1,0 +1,86 @@
+"""The time model's seconds per unit from the machine's probe (pure): :func:`probed_rates`.
+
+:mod:`optimizer.perf.throughput` takes these figures instead of the hardware profile's wherever the study carries a
+probe (:attr:`optimizer.study.specs.HardwareSpec.probe`); :mod:`optimizer.perf.probe_plan` says what the probe
+times, :mod:`optimizer.perf.skeleton` on what model DeepSpeed's engine is timed.
+"""
+
+from __future__ import annotations
+
+from optimizer.perf.probe_plan import collective_beta, compute_rate
+from optimizer.perf.throughput import FEATURES, Rates
+from optimizer.study.knobs import Precision, ZeroStage
+from optimizer.study.machine_probe import MachineProbe
+from optimizer.study.specs import HardwareSpec
+
+
+def probed_rates(rates: Rates, *, hardware: HardwareSpec, probe: MachineProbe) -> Rates:
+    """``rates`` with every figure the probe measured taken from it (:mod:`optimizer.perf.probe_plan`): seconds per
+    FLOP of the model's own GEMMs and attention at the study's middle micro-batch (the others as
+    :attr:`Rates.flop_factors`); per byte moved of the all-reduce (ZeRO 0–2: each rank moves 2·(W−1)/W of the
+    buffer) and of the all-gather (ZeRO-3: (W−1)/W), the bandwidth slope β of each (a call's latency is left to
+    the per-micro-step figures: :func:`optimizer.perf.probe_plan.collective_beta`); per byte of a pinned
+    host↔device copy (the offload buffers are pinned; CPU ranks: a host copy); per parameter of DeepSpeedCPUAdam's
+    step; per byte of NVMe (write and read together) and of device memory (QLoRA's dequantization); per micro-step of
+    DeepSpeed's engine at each ZeRO stage, its optimizer step's extra as :attr:`Rates.step_shares` and recomputation's
+    as :attr:`Rates.recompute_shares` (the skeleton's micro-steps, :mod:`optimizer.perf.skeleton`). ``source`` names
+    which figures came from where. Multi-node studies keep the profile's link: the probe times one node's ranks."""
+    seconds = list(rates.seconds_per)
+    probed: list[str] = []
+
+    def take(feature: str, value: float | None) -> None:
+        if value is not None and value > 0:
+            seconds[FEATURES.index(feature)] = value
+            probed.append(feature)
+
+    half = Precision.BF16 if Precision.BF16 in hardware.supported_precisions else Precision.FP16
+    factors: list[tuple[str, int, float]] = []
+    for feature, precision in (("flops_fp32", Precision.FP32), ("flops_16bit", half)):
+        measured = sorted({f.micro_batch for f in probe.of_kind("gemm") if f.precision == precision.value})
+        by_batch = {b: compute_rate(probe, precision=precision.value, micro_batch=b) for b in measured}
+        by_batch = {b: r for b, r in by_batch.items() if r}
+        if not by_batch:
+            continue
+        reference = sorted(by_batch)[len(by_batch) // 2]  # the middle one: the others are factors of it
+        take(feature, by_batch[reference])
+        factors += [(precision.value, b, r / by_batch[reference]) for b, r in by_batch.items()]
+    ring = (probe.ranks - 1) / probe.ranks
+    if hardware.nodes == 1 and ring > 0:
+        reduce, gather = collective_beta(probe, "all_reduce"), collective_beta(probe, "all_gather")
+        take("comm_bytes", reduce and reduce / (2 * ring))
+        take("comm_bytes_z3", gather and gather / ring)
+    copies = [f for f in probe.of_kind("copy") if f.variant.startswith("pinned")] or list(probe.of_kind("copy"))
+    if copies:
+        take("pcie_bytes", sum(f.median_s for f in copies) / sum(f.work for f in copies))
+    adam = probe.find("host_adam")
+    take("host_params", adam and adam.seconds_per_unit)
+    nvme = probe.of_kind("nvme_write") + probe.of_kind("nvme_read")
+    if nvme:
+        take("nvme_bytes", sum(f.median_s for f in nvme) / sum(f.work for f in nvme))
+    memory = probe.find("memory")
+    take("dequant_bytes", memory and memory.seconds_per_unit)
+    shares: list[tuple[int, float]] = []
+    micro_s: dict[int, float] = {}
+    for stage in ZeroStage:
+        micro, step = (next((f for f in probe.of_kind(kind) if f.variant == f"z{int(stage)}"), None)
+                       for kind in ("engine_micro", "engine_step"))
+        if micro is not None:
+            take(f"micro_steps_z{int(stage)}", micro.median_s)
+            micro_s[int(stage)] = micro.median_s
+            if step is not None:
+                shares.append((int(stage), max(0.0, step.median_s - micro.median_s) / micro.median_s))
+    recompute: list[tuple[int, float]] = []
+    for figure in probe.of_kind("engine_micro"):  # "z0 ckpt=full": the lowest stage with every block recomputed
+        stage, _, checkpointed = figure.variant.partition(" ckpt=")
+        plain = micro_s.get(int(stage[1:])) if checkpointed == "full" else None
+        if plain:
+            extra = max(0.0, figure.median_s - plain)
+            recompute = [(z, extra / seconds) for z, seconds in micro_s.items()]
+    if not probed:
+        return rates
+    kept = [n for n, v in zip(FEATURES, seconds, strict=True) if n not in probed and v is not None]
+    source = f"probe {probe.measured_at[:16]} ({', '.join(probed)})"
+    if kept:
+        source += f"; {rates.source} ({', '.join(kept)})"
+    return Rates(seconds_per=tuple(seconds), source=source, overlap_z3=rates.overlap_z3,
+                 flop_factors=tuple(sorted(factors)), step_shares=tuple(shares), recompute_shares=tuple(recompute))
