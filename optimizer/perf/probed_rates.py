@@ -75,7 +75,7 @@ def probed_rates(rates: Rates, *, hardware: HardwareSpec, probe: MachineProbe) -
         plain = micro_s.get(int(stage[1:])) if checkpointed == "full" else None
         if plain:
             extra = max(0.0, figure.median_s - plain)
-            recompute = [(z, extra / seconds) for z, seconds in micro_s.items()]
+            recompute = [(z, extra / per_micro) for z, per_micro in micro_s.items()]
     if not probed:
         return rates
     kept = [n for n, v in zip(FEATURES, seconds, strict=True) if n not in probed and v is not None]
