@@ -3,7 +3,9 @@
 :func:`with_probe` gives the study its probe (:attr:`optimizer.study.specs.HardwareSpec.probe`): from the cache when
 this machine with these library versions has probed these shapes before, else by :func:`run_probe` — one launch
 of the study's ranks per node (torchrun, as a trial's, :func:`launchers.trial.local.build_launch_plan`) running
-:mod:`launchers.rank.probe_rank` on :func:`optimizer.perf.probe_plan.probe_plan`'s list. The ranks' timings are
+:mod:`launchers.rank.probe_rank` on :func:`optimizer.perf.probe_plan.probe_plan`'s list. A study whose FP32
+reference is launched anyway has its ranks probe at the end of that launch instead (:func:`riding_input`,
+:func:`collect_riding`): the same operations, without a launch of their own. The ranks' timings are
 merged per operation: the slowest rank's median (a step waits for its slowest rank), the fastest and slowest
 round of any rank. A study on CUDA ranks cannot be probed on a machine without CUDA (a laptop planning a GPU
 study): :class:`ProbeUnavailable` says so and the profile's figures stay.
@@ -146,6 +148,57 @@ def merge(reports: list[dict[str, Any]], *, plan: ProbePlan, machine: str) -> Ma
                         skipped=tuple(sorted(skipped.items())))
 
 
+def announcement(plan: ProbePlan, *, within: str = "") -> str:
+    """The line said as a probe of ``plan`` starts (``within``: the launch it rides, if not its own)."""
+    return (f"probing this machine's kernels at the study's shapes on {plan.ranks} rank(s){within}: "
+            f"{len(plan.precisions)} precision(s) x {len(plan.micro_batches)} micro-batch size(s), "
+            f"{'collectives, ' if plan.reduce_bytes else ''}{'offload copies, ' if plan.copy_bytes else ''}"
+            f"{'CPU Adam, ' if plan.host_adam_elements else ''}{'NVMe, ' if plan.nvme_path else ''}optimizer step"
+            f"{', DeepSpeed engine at ZeRO ' + '/'.join(map(str, plan.engine_stages)) if plan.engine_stages else ''}")
+
+
+def riding_input(spec: StudySpec, *, gpus: Sequence[str] | None = None) -> dict[str, Any] | None:
+    """What the FP32 reference's launch probes once its steps are done (:func:`launchers.rank.probe_rank.after_trial`:
+    no launch, imports or process group of the probe's own), or None where the study probes on a launch of its own
+    or not at all: ``DSOPT_PROBE=off``, a probe of these shapes cached already, a reference that runs the user's
+    script (``trial.command``: dsopt's rank program is not in that launch), one that spans nodes (a probe times one
+    node), or CUDA ranks on a machine without CUDA."""
+    if os.environ.get(SWITCH_VAR, "").lower() == "off" or spec.trial.command is not None or spec.hardware.nodes > 1:
+        return None
+    plan = probe_plan(spec)
+    if plan.accelerator != Accelerator.CPU.value:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+    return None if cached_probe(spec, gpus=gpus) is not None else rank_input(spec, plan)
+
+
+def collect_riding(spec: StudySpec, folder: Path, *, gpus: Sequence[str] | None = None,
+                   say: Callable[[str], None] | None = None) -> MachineProbe | None:
+    """The probe the FP32 reference's launch took (``probe_rank<k>.json`` in its folder ``folder``), merged and
+    cached as :func:`machine_probe` caches its own; None where a rank's report is missing or says the probe failed
+    (:func:`with_probe` then probes on a launch of its own)."""
+    plan = probe_plan(spec)
+    reports = []
+    for rank in range(plan.ranks):
+        try:
+            report = json.loads((folder / f"probe_rank{rank}.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(report, dict) or "figures" not in report:
+            if say is not None and isinstance(report, dict) and "error" in report:
+                say(f"the probe within the FP32 reference's launch failed on rank {rank}: {report['error']}")
+            return None
+        reports.append(report)
+    probe = merge(reports, plan=plan, machine=machine_line(plan, gpus=gpus))
+    store().put(cache_key(spec, plan, gpus=gpus), probe.to_json())
+    if say is not None:
+        say(f"probe done within the FP32 reference's launch ({probe.seconds:.1f} s of timing, "
+            f"{len(probe.figures)} figures)")
+    return probe
+
+
 def run_probe(spec: StudySpec, *, gpus: Sequence[str] | None = None,
               say: Callable[[str], None] | None = None) -> MachineProbe:
     """Time ``spec``'s operations on this node's ranks now (module doc), on ``gpus`` (this worker's slice of the
@@ -158,11 +211,7 @@ def run_probe(spec: StudySpec, *, gpus: Sequence[str] | None = None,
         if not torch.cuda.is_available():
             raise ProbeUnavailable("the study trains on CUDA GPUs and this machine has none")
     say = say or (lambda text: None)
-    say(f"probing this machine's kernels at the study's shapes on {plan.ranks} rank(s): "
-        f"{len(plan.precisions)} precision(s) x {len(plan.micro_batches)} micro-batch size(s), "
-        f"{'collectives, ' if plan.reduce_bytes else ''}{'offload copies, ' if plan.copy_bytes else ''}"
-        f"{'CPU Adam, ' if plan.host_adam_elements else ''}{'NVMe, ' if plan.nvme_path else ''}optimizer step"
-        f"{', DeepSpeed engine at ZeRO ' + '/'.join(map(str, plan.engine_stages)) if plan.engine_stages else ''}")
+    say(announcement(plan))
     machine = machine_line(plan, gpus=gpus)
     with tempfile.TemporaryDirectory(prefix="dsopt-probe-") as folder:
         out = Path(folder)

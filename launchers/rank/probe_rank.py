@@ -331,6 +331,31 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
     return {"rank": dist.get_rank(), "seconds": time.perf_counter() - begin, "figures": figures, "skipped": skipped}
 
 
+def write_report(report: dict[str, Any], path: Path) -> None:
+    """``report`` at ``path``, written atomically: a rank killed mid-write leaves no half report."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report))
+    tmp.replace(path)
+
+
+def after_trial(plan: dict[str, Any], out_dir: Path) -> None:
+    """The probe within a trial's launch, once the trial's own report is written and its engine freed: the FP32
+    reference's launch carries it where the study has no probe yet (:mod:`launchers.study.study_run`), so that
+    the probe pays no launch, imports or process group of its own. Writes ``probe_rank<k>.json``; a failure is
+    written there as the probe's, never as the trial's (whose report stands)."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and plan["accelerator"] == "cuda":
+        torch.cuda.empty_cache()
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        report = run(plan)
+    except Exception as err:  # the trial stands; the study probes again on its own launch
+        report = {"rank": rank, "error": f"{type(err).__name__}: {str(err)[:500]}"}
+    write_report(report, out_dir / f"probe_rank{rank}.json")
+
+
 def main(argv: list[str]) -> int:
     plan_path, out_dir = Path(argv[0]), Path(argv[1])
     import signal
@@ -343,9 +368,7 @@ def main(argv: list[str]) -> int:
     die_with_parent(signal.SIGKILL)  # torchrun SIGKILLed: its ranks go too (launchers/rank/orphan_guard.py)
     keep_cpu_info()  # DeepSpeed's op loads ask py-cpuinfo; once per node (launchers/rank/cpu_info.py)
     report = run(json.loads(plan_path.read_text()))
-    tmp = out_dir / f".rank{report['rank']}.json.tmp"
-    tmp.write_text(json.dumps(report))
-    tmp.replace(out_dir / f"rank{report['rank']}.json")  # a rank killed mid-write leaves no half report
+    write_report(report, out_dir / f"rank{report['rank']}.json")
     if torch.distributed.is_initialized():  # as a trial's ranks end: every rank here, then the group torn down
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

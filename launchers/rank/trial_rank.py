@@ -56,6 +56,7 @@ from launchers.rank.cpu_memory import LivePeaks, start_cpu_profiler, stop_cpu_pr
 from launchers.rank.device_identity import cuda_rank, device_identity
 from launchers.rank.device_memory import DeviceMemory
 from launchers.rank.orphan_guard import die_with_parent
+from launchers.rank.probe_rank import after_trial, write_report
 from optimizer.results.loss_scaling import StepKind, min_loss_scale, skip_allowance, step_kind
 from optimizer.results.trial_result import INIT_STOP, OVER_BUDGET, StopAbove
 
@@ -394,8 +395,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
 def main() -> int:
     die_with_parent(signal.SIGKILL)  # torchrun SIGKILLed: its ranks go too (launchers/rank/orphan_guard.py)
     keep_cpu_info()  # DeepSpeed asks py-cpuinfo once per node, not twice per rank (launchers/rank/cpu_info.py)
-    plan = json.loads(Path(sys.argv[1]).read_text())
-    out_dir = Path(sys.argv[2])
+    plan, out_dir = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     rank = int(os.environ.get("RANK", "0"))
     try:
         result, code = run(plan, out_dir, rank), 0
@@ -404,9 +404,9 @@ def main() -> int:
                   "message": str(error)[-2000:], "traceback": traceback.format_exc()[-4000:],
                   **device_identity(cuda=cuda_rank())}
         code = 1
-    tmp = out_dir / f".rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(result))
-    tmp.replace(out_dir / f"rank{rank}.json")  # a rank killed mid-write leaves no half report
+    write_report(result, out_dir / f"rank{rank}.json")
+    if code == 0 and plan.get("probe"):  # the machine's probe in the FP32 reference's launch (probe_rank.after_trial)
+        after_trial(plan["probe"], out_dir)
     if dist.is_initialized():
         if code == 0:  # ok, or stopped over the budget: every rank is here, none in a collective
             dist.barrier()

@@ -35,6 +35,7 @@ from launchers.trial.run import (
 from optimizer.ledger.core import Ledger, evaluate
 from optimizer.ledger.items import Location
 from optimizer.ledger.transformer import parameter_count, trainable_count
+from optimizer.perf.probe_plan import probe_plan
 from optimizer.results.device_budget import capacity_note
 from optimizer.results.trial_result import StopAbove, TrialResult
 from optimizer.search.coordination import CREATED_ATTR, worker_id
@@ -85,7 +86,7 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     slice of its node's GPUs (:func:`launchers.trial.run.check_devices`), used by every launch including the
     reference; None: every GPU the process sees. ``progress``: what it prints (:mod:`launchers.study.progress`).
     """
-    from launchers.probe.machine import with_probe
+    from launchers.probe.machine import PROBE_TIMEOUT_S, announcement, collect_riding, riding_input, with_probe
     from launchers.trace.study_traces import with_traced_activations
 
     space = branches(spec)  # validate before anything is written
@@ -100,18 +101,34 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     valid = study_candidates(spec)  # judged once: the ops' needs and the ledgers below are of these
     if runner is None:  # DeepSpeed's ops, once per node before any launch; drops what this node cannot build
         spec = prepare_ops(spec=spec, gpus=gpus, worker=worker, candidates=valid)
-        # the machine's kernels at the study's shapes, before the seeds are chosen (cached per machine)
+    # the machine's kernels at the study's shapes, before the seeds are chosen (cached per machine): at the end of
+    # the FP32 reference's launch where it runs now, else on a launch of their own
+    riding = riding_input(spec, gpus=gpus) if runner is None and cached_reference_losses(spec) is None else None
+    if runner is None and riding is None:
         spec = with_probe(spec, gpus=gpus, holder=worker, say=lambda text: _say(worker, text))
     base = baseline_candidate(spec.training)
     baseline = reference_candidate(spec)  # the FP32 reference's candidate: its run is a whole trial of it
     ours = baseline in valid and baseline in set(spec.search_space.candidates(base))
+
+    def reference_run() -> list[float]:
+        if riding is not None:
+            _say(worker, announcement(probe_plan(spec), within=" at the end of the FP32 reference's launch"))
+        losses = reference_losses(spec, gpus=gpus, probe=riding, probe_timeout_s=PROBE_TIMEOUT_S)
+        if riding is not None:
+            collect_riding(spec, spec.output_dir / "reference", gpus=gpus, say=lambda text: _say(worker, text))
+        return losses
+
+    def probed() -> StudySpec:  # the riding probe, cached by now (or, where it failed, one of its own now)
+        return with_probe(spec, gpus=gpus, holder=worker, say=lambda text: _say(worker, text))
     losses = setup_study(study=study, spec=spec, space=space, worker=worker, key=reference_key(spec),
                          say=lambda text: _say(worker, text),
                          measured=lambda: [baseline] if ours and runner is None and reference_as_trial(
                              spec, baseline, trial_dir=None) is not None else [],
-                         reference=reference or (lambda: reference_losses(spec, gpus=gpus)),
+                         reference=reference or reference_run, seeding=probed if riding is not None else None,
                          reference_launches=(lambda: 0) if reference is not None
                          else (lambda: 0 if cached_reference_losses(spec) is not None else 1))
+    if riding is not None:
+        spec = probed()
     reference_result = spec.output_dir / "reference" / "result.json"  # the FP32 reference: the first launch
     if runner is None and reference_result.is_file():
         record_result_json(study, json.loads(reference_result.read_text()))

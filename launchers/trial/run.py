@@ -203,7 +203,8 @@ def trial_launch_plan(study: StudySpec, *, plan_path: Path, out_dir: Path, launc
 def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None = None,
               reference_losses: list[float] | None = None, ds_config: dict[str, Any] | None = None,
               slurm_nodes: int | None = None, step_s: float | None = None,
-              gpus: Sequence[str] | None = None, stop_above: StopAbove | None = None) -> TrialResult:
+              gpus: Sequence[str] | None = None, stop_above: StopAbove | None = None,
+              probe: Mapping[str, Any] | None = None, probe_timeout_s: float = 0.0) -> TrialResult:
     """Run ``candidate`` for real on this node's devices (CPU ranks when the study says ``cpu``), or across
     the nodes of the SLURM allocation when the study spans several (see
     :func:`launchers.trial.local.build_launch_plan`).
@@ -217,6 +218,9 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
     ``stop_above``: the per-rank peaks above which the ranks stop at once (an ``oom`` with ``stopped_at`` and what
     was measured until then; ``launchers/rank/trial_rank.py``); it goes into ``plan.json`` only, not into
     :func:`rank_plan`, whose output keys the FP32 reference (:func:`reference_key`), which never gets one.
+    ``probe``: a probe's rank input (:func:`launchers.probe.machine.rank_input`) the ranks run once the trial's
+    report is written (:func:`launchers.rank.probe_rank.after_trial`; ``probe_rank<k>.json`` in the trial's folder),
+    the launch's limit ``probe_timeout_s`` longer; the result's ``wall_s`` is the trial's alone.
     A candidate that needs a DeepSpeed op this process's preparation found missing on this node
     (:mod:`launchers.study.op_prep`) is ``invalid``, never launched. NVMe offload swaps in a folder of the launch's own
     (:mod:`launchers.trial.nvme_folder`), removed once the launch ended.
@@ -235,13 +239,15 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
         return TrialResult(outcome=Outcome.INVALID, message=why)  # an op this node cannot build: never launched
     trial_dir = trial_dir or trial_dir_for(study, candidate)
     trial_dir.mkdir(parents=True, exist_ok=True)
-    for stale in trial_dir.glob("rank*.json"):
+    for stale in [*trial_dir.glob("rank*.json"), *trial_dir.glob("probe_rank*.json")]:
         stale.unlink()
     plan = rank_plan(study=study, candidate=candidate)
     if ds_config is not None:
         plan["config"] = ds_config
     if stop_above is not None:  # after rank_plan: the reference's key stays what it was
         plan["stop_above"] = stop_above.to_plan()
+    if probe is not None:  # likewise
+        plan["probe"] = dict(probe)
     (trial_dir / "ds_config.json").write_text(json.dumps(plan["config"], indent=2) + "\n")
     launch_id = uuid.uuid4().hex
     plan["config"], nvme = per_launch_config(plan["config"], launch_id=launch_id, cwd=Path.cwd())  # its own swap
@@ -254,7 +260,8 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
     log_path = trial_dir / "log.txt"
     record = {"launch_id": launch.env[LAUNCH_ID_VAR], "candidate": candidate.knobs(), "worker": worker_id(),
               "trial_dir": str(trial_dir)}
-    timeout_s = study.trial.timeout_for(step_s if step_s is not None else predicted_step_s(study, candidate))
+    timeout_s = study.trial.timeout_for(step_s if step_s is not None else predicted_step_s(study, candidate)) \
+        + (probe_timeout_s if probe is not None else 0.0)
     try:
         create_folders(nvme)
     except OSError as err:
@@ -282,6 +289,8 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
         result = dataclasses.replace(result, outcome=Outcome.CRASH, message=mismatch, tokens_per_s=None,
                                      log_tail=log_tail(log_path))
     result = with_script_counts(study, result, reports)
+    if probe is not None:  # the probe's seconds are not the trial's
+        result = dataclasses.replace(result, wall_s=max(0.0, result.wall_s - probe_seconds(trial_dir)))
     if result.outcome is Outcome.OK:
         result = dataclasses.replace(result, log_tail="")
     record_json = {**result_json(result), "versions": installed_versions(),
@@ -290,6 +299,15 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
     append_launch_record(study, {**record, "event": "end", "at": now_utc().isoformat(),
                                  "outcome": result.outcome.value, "wall_s": round(run.wall_s, 3)})
     return result
+
+
+def probe_seconds(trial_dir: Path) -> float:
+    """Seconds the slowest rank's probe took in a trial's launch (``probe_rank<k>.json``; 0 without one)."""
+    seconds = [0.0]
+    for path in trial_dir.glob("probe_rank*.json"):
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            seconds.append(float(json.loads(path.read_text()).get("seconds", 0.0)))
+    return max(seconds)
 
 
 def append_launch_record(study: StudySpec, record: dict[str, Any]) -> None:
@@ -367,20 +385,23 @@ def cached_reference_losses(study: StudySpec) -> list[float] | None:
     return list(data["losses"])
 
 
-def reference_losses(study: StudySpec, *, gpus: Sequence[str] | None = None) -> list[float]:
+def reference_losses(study: StudySpec, *, gpus: Sequence[str] | None = None, probe: Mapping[str, Any] | None = None,
+                     probe_timeout_s: float = 0.0) -> list[float]:
     """The FP32 reference losses, from the study's cache or from one run of :func:`reference_candidate` (on the
-    worker's GPU slice ``gpus``, as :func:`run_trial`)."""
+    worker's GPU slice ``gpus``, as :func:`run_trial`; ``probe``: what its ranks probe after it, as there)."""
     cached = cached_reference_losses(study)
     if cached is not None:
         return cached
     cache = study.output_dir / "reference.json"
     key = reference_key(study)
     candidate = reference_candidate(study)
-    result = run_trial(study=study, candidate=candidate, trial_dir=study.output_dir / "reference", gpus=gpus)
+    result = run_trial(study=study, candidate=candidate, trial_dir=study.output_dir / "reference", gpus=gpus,
+                       probe=probe, probe_timeout_s=probe_timeout_s)
     for _ in range(study.trial.retries):  # maybe transient, as a trial's crash or timeout (objective.RETRIED): a rank
         if result.outcome not in RETRIED:  # that aborted at exit after its report ("terminate called without an
             break                          # active exception", seen once on CPU ranks) stopped the whole study
-        result = run_trial(study=study, candidate=candidate, trial_dir=study.output_dir / "reference", gpus=gpus)
+        result = run_trial(study=study, candidate=candidate, trial_dir=study.output_dir / "reference", gpus=gpus,
+                       probe=probe, probe_timeout_s=probe_timeout_s)
     if result.outcome is not Outcome.OK:
         raise ReferenceFailed(result)
     cache.parent.mkdir(parents=True, exist_ok=True)

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from launchers.probe.machine import cache_key, merge, rank_input, with_probe
+from launchers.probe.machine import (
+    cache_key,
+    cached_probe,
+    collect_riding,
+    merge,
+    rank_input,
+    riding_input,
+    with_probe,
+)
+from launchers.trial.run import probe_seconds
 from optimizer.cli import main
 from optimizer.perf.probe_plan import probe_plan
 from optimizer.study.study_file import load_study
@@ -88,3 +98,39 @@ def test_probe_off_takes_only_a_cached_probe(monkeypatch, tmp_path):
     said: list[str] = []
     assert with_probe(study, say=said.append) is study and "DSOPT_PROBE=off" in said[0]
     assert not any(tmp_path.iterdir())  # nothing launched, nothing written
+
+
+def test_the_reference_launch_carries_the_probe_only_where_the_study_would_probe_and_it_can(monkeypatch, tmp_path):
+    monkeypatch.delenv("DSOPT_PROBE", raising=False)
+    monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path))
+    study = load_study(ROOT / "studies" / "grid-cpu.yaml")
+    riding = riding_input(study)
+    assert riding == rank_input(study, probe_plan(study)) and riding["engines"]
+    script = replace(study, trial=replace(study.trial, command=("python", "train.py")))
+    two_nodes = replace(study, hardware=replace(study.hardware, nodes=2))
+    assert riding_input(script) is None and riding_input(two_nodes) is None  # not dsopt's rank program; two nodes
+    monkeypatch.setenv("DSOPT_PROBE", "off")
+    assert riding_input(study) is None
+    assert not any(tmp_path.iterdir())  # asking launches and writes nothing
+
+
+def test_the_riding_probe_is_merged_cached_and_its_seconds_are_not_the_trials(monkeypatch, tmp_path):
+    monkeypatch.delenv("DSOPT_PROBE", raising=False)
+    monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path / "cache"))
+    study = load_study(ROOT / "studies" / "grid-cpu.yaml")
+    folder = tmp_path / "reference"
+    folder.mkdir()
+    said: list[str] = []
+    assert collect_riding(study, folder, say=said.append) is None and probe_seconds(folder) == 0.0  # no report
+    figure = {"kind": "gemm", "precision": "fp32", "micro_batch": 1, "work": 1e9, "rounds_s": [0.1, 0.2, 0.3]}
+    (folder / "probe_rank0.json").write_text(json.dumps({"rank": 0, "seconds": 7.5, "figures": [figure],
+                                                         "skipped": []}))
+    (folder / "probe_rank1.json").write_text(json.dumps({"rank": 1, "error": "RuntimeError: gloo"}))
+    assert collect_riding(study, folder, say=said.append) is None and cached_probe(study) is None
+    assert said == ["the probe within the FP32 reference's launch failed on rank 1: RuntimeError: gloo"]
+    (folder / "probe_rank1.json").write_text(json.dumps({"rank": 1, "seconds": 8.0, "figures": [figure],
+                                                         "skipped": []}))
+    probe = collect_riding(study, folder, say=said.append)
+    assert probe is not None and probe.find("gemm", precision="fp32", micro_batch=1).median_s == 0.2
+    assert cached_probe(study) == probe and riding_input(study) is None  # cached: the next study probes nothing
+    assert "8.0 s of timing, 1 figures" in said[-1] and probe_seconds(folder) == 8.0

@@ -56,6 +56,15 @@ def test_the_study_probed_the_machine_first_and_cached_it(finished):
     spec, _ = finished
     probe = cached_probe(spec)
     assert probe is not None and probe.find("gemm", precision="fp32", micro_batch=spec.training.micro_batch_size)
+    assert probe.of_kind("engine_micro")  # DeepSpeed's engine at each stage, on the study's skeleton
+    # at the end of the FP32 reference's launch (launchers/rank/probe_rank.py, after_trial): no launch of its own,
+    # and the reference's recorded wall time is its own, the probe's seconds taken out
+    folder = spec.output_dir / "reference"
+    assert sorted(p.name for p in folder.glob("probe_rank*.json")) == ["probe_rank0.json", "probe_rank1.json"]
+    (end,) = [r for r in map(json.loads, (spec.output_dir / "launches.jsonl").read_text().splitlines())
+              if r["event"] == "end" and r["trial_dir"] == str(folder)]
+    own = json.loads((folder / "result.json").read_text())["wall_s"]
+    assert own > 0 and end["wall_s"] - own >= probe.seconds * 0.99
 
 
 def test_a_small_study_completes(finished):
