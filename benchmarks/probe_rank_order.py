@@ -72,7 +72,7 @@ def row(path: Path, *, here: bool) -> str:
     engine = [FEATURES.index(f"micro_steps_z{stage}") for stage in range(4)]
     alone = replace(probe_rates, seconds_per=tuple(0.0 if v is None else v for v in probe_rates.seconds_per))
     zero = replace(alone, seconds_per=tuple(0.0 if k in engine else v for k, v in enumerate(alone.seconds_per)),
-                   step_shares=())
+                   step_shares=(), engine_factors=())
     seconds = list(zero.seconds_per)
     for stage in range(4):
         residuals = [(t - predict(job=j, rates=zero, ranks=ranks).total_s) / j.micro_steps

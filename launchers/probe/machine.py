@@ -39,7 +39,7 @@ from launchers.trial.run import PACKAGE_ROOT, rank_plan
 from optimizer.deepspeed.versions import installed_versions
 from optimizer.perf.probe_plan import ProbePlan, probe_plan
 from optimizer.perf.skeleton import SKELETON_MICRO_STEPS, SKELETON_TOKENS, skeleton_model
-from optimizer.study.knobs import FullCheckpointing, Precision, ZeroStage
+from optimizer.study.knobs import Candidate, FullCheckpointing, Precision, ZeroStage
 from optimizer.study.machine_probe import PROBE_FORMAT, MachineProbe, ProbeFigure
 from optimizer.study.specs import Accelerator, baseline_candidate
 from optimizer.study.study_file import StudySpec
@@ -85,10 +85,11 @@ def engine_plans(spec: StudySpec, plan: ProbePlan) -> list[dict[str, Any]]:
     """For each ZeRO stage of ``plan.engine_stages``, what a trial's ranks would be told for the study's skeleton
     (:func:`optimizer.perf.skeleton.skeleton_model`) at that stage in ``plan.engine_precision``: one sample of
     :data:`~optimizer.perf.skeleton.SKELETON_TOKENS` tokens per micro-step, two micro-steps per step, no offload or
-    checkpointing (and the lowest stage again with every block checkpointed where the space recomputes blocks), on
-    one node's ranks — the DeepSpeed config built by dsopt's own builder for the skeleton, so its
-    buckets are as many as the study's (:mod:`optimizer.perf.skeleton`). What trains (PEFT, frozen parameters) is
-    the study's; a user's script (``trial.command``) is not run: the engine is DeepSpeed's whatever calls it."""
+    checkpointing (and the lowest stage again with every block checkpointed where the space recomputes blocks; then
+    every stage again in each other precision of the space, ``plan.engine_others``), on one node's ranks — the
+    DeepSpeed config built by dsopt's own builder for the skeleton, so its buckets are as many as the study's
+    (:mod:`optimizer.perf.skeleton`). What trains (PEFT, frozen parameters) is the study's; a user's script
+    (``trial.command``) is not run: the engine is DeepSpeed's whatever calls it."""
     skeleton = skeleton_model(spec.model)
     if not plan.engine_stages or isinstance(skeleton, str):
         return []
@@ -98,11 +99,18 @@ def engine_plans(spec: StudySpec, plan: ProbePlan) -> list[dict[str, Any]]:
     small = replace(spec, model=skeleton, hardware=hardware, training=training,
                     trial=replace(spec.trial, command=None))
     base = replace(baseline_candidate(training), precision=Precision(plan.engine_precision))
-    engines = [{"stage": stage, **rank_plan(study=small, candidate=replace(base, zero_stage=ZeroStage(stage)))}
-               for stage in plan.engine_stages]
+
+    def engine(candidate: Candidate) -> dict[str, Any]:
+        return {"stage": int(candidate.zero_stage), "precision": str(candidate.precision),
+                **rank_plan(study=small, candidate=candidate)}
+
+    engines = [engine(replace(base, zero_stage=ZeroStage(stage))) for stage in plan.engine_stages]
     if plan.engine_recompute:  # the lowest stage again, every block checkpointed: recomputation's own cost
-        lowest = replace(base, zero_stage=ZeroStage(plan.engine_stages[0]), checkpointing=FullCheckpointing())
-        engines.append({"stage": plan.engine_stages[0], **rank_plan(study=small, candidate=lowest)})
+        engines.append(engine(replace(base, zero_stage=ZeroStage(plan.engine_stages[0]),
+                                      checkpointing=FullCheckpointing())))
+    for other in plan.engine_others:  # DeepSpeed's path differs by precision (ProbePlan.engine_others)
+        engines += [engine(replace(base, zero_stage=ZeroStage(stage), precision=Precision(other)))
+                    for stage in plan.engine_stages]
     return engines
 
 

@@ -27,8 +27,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROUNDS = 5
-"""Timed rounds per operation and rank."""
+ROUNDS = 3
+"""Timed rounds per operation and rank (the figure: the slowest rank's median)."""
+ENGINE_ROUNDS = ROUNDS
+"""Timed rounds of each engine: each a micro-step that accumulates and one that steps, real micro-steps of
+DeepSpeed's engine (ZeRO-3's 0.1 s on CPU ranks), where a kernel's round is 10 ms."""
 ROUND_S = 0.01
 """Least seconds a round runs (its repetitions are counted off one warm-up run)."""
 MAX_REPEATS = 10_000
@@ -239,7 +242,7 @@ def engine_rounds(timer: Timer, engine: dict[str, Any], *, device: Any) -> tuple
     for _ in range(config["gradient_accumulation_steps"]):
         micro_step()
     accumulating, stepping = [], []
-    for _ in range(ROUNDS):
+    for _ in range(ENGINE_ROUNDS):
         dist.barrier()
         accumulating.append(timer.once(micro_step, 1))
         stepping.append(timer.once(micro_step, 1))
@@ -314,16 +317,17 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
     for engine in plan.get("engines", ()):
         checkpointed = "" if engine["checkpointing"] == "none" else f" ckpt={engine['checkpointing']}"
         variant = f"z{engine['stage']}{checkpointed}"
-        what = {"precision": plan["engine_precision"], "variant": variant, "work": 1}
+        precision = engine.get("precision", plan["engine_precision"])
+        what = {"precision": precision, "variant": variant, "work": 1}
         dist.barrier()
         try:
             accumulating, stepping = engine_rounds(timer, engine, device=device)
         except Exception as err:  # a stage this machine cannot run (fp16 on a CPU without it) is a finding
-            skipped.append({"what": f"engine {variant} {plan['engine_precision']}",
+            skipped.append({"what": f"engine {variant} {precision}",
                             "why": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"})
             continue
-        gc.collect()  # the engine before the next one is built (ZeRO-3's hooks hold it in cycles)
-        if cuda:
+        if cuda:  # the engine's device memory before the next one is built (ZeRO-3's hooks hold it in cycles); on
+            gc.collect()  # CPU ranks a skeleton's few MB wait for Python's own collection (each collect: ~0.1 s)
             torch.cuda.empty_cache()
         figures.append({"kind": "engine_micro", **what, "rounds_s": accumulating})
         figures.append({"kind": "engine_step", **what, "rounds_s": stepping})

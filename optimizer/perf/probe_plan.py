@@ -103,6 +103,12 @@ class ProbePlan:
     engine_precision: str = ""
     """The precision the skeleton's engines train in: the space's 16-bit one where it has one (most of its
     candidates), else fp32."""
+    engine_others: tuple[str, ...] = ()
+    """The space's other precisions, each timed at every engine stage too: DeepSpeed wraps the optimizer by
+    precision (DeepSpeed 0.19 ``runtime/engine.py`` ``_configure_optimizer``: ZeRO-0 fp32 steps the bare optimizer,
+    bf16 its BF16_Optimizer with fp32 gradient accumulation, fp16 the loss-scaled FP16_Optimizer; ZeRO 1–3 keep
+    fp32 master weights and cast in 16 bits only), so a stage's cost per micro-step is not one figure for all of them
+    (on this project's CPU grids an fp32 ZeRO-1 micro-step costs less than fp32 ZeRO-0's, a bf16 one more)."""
     engine_recompute: bool = False
     """The space recomputes whole blocks (``checkpointing: full`` or ``every_K``): the engine of the lowest stage is
     also timed with every block checkpointed (``torch.utils.checkpoint``'s own cost per micro-step: on CPU ranks
@@ -133,6 +139,7 @@ class ProbePlan:
                 "memory_bytes": self.memory_bytes, "reduce_bytes": list(self.reduce_bytes),
                 "gather_bytes": list(self.gather_bytes), "nvme_path": self.nvme_path, "nvme_bytes": self.nvme_bytes,
                 "engine_stages": list(self.engine_stages), "engine_precision": self.engine_precision,
+                "engine_others": list(self.engine_others),
                 "engine_skipped": self.engine_skipped, "engine_recompute": self.engine_recompute,
                 "gemm_flops": {str(b): self.gemm_flops(b) for b in self.micro_batches},
                 "attention_flops": {str(b): self.attention_flops(b) for b in self.micro_batches}}
@@ -195,7 +202,8 @@ def probe_plan(spec: StudySpec) -> ProbePlan:
         memory_bytes=cap * 2 if four_bit else 0, reduce_bytes=reduce_bytes, gather_bytes=tuple(sorted(set(gather))),
         nvme_path=hardware.nvme_path if nvme else None, nvme_bytes=NVME_PROBE_BYTES if nvme else 0,
         engine_stages=() if isinstance(skeleton, str) else tuple(sorted(int(s) for s in stages)),
-        engine_precision=(half or list(precisions) or [Precision.FP32.value])[0],
+        engine_precision=(main := (half or list(precisions) or [Precision.FP32.value])[0]),
+        engine_others=() if isinstance(skeleton, str) else tuple(p for p in precisions if p != main),
         engine_skipped=skeleton if isinstance(skeleton, str) else "",
         engine_recompute=any(isinstance(c.checkpointing, (FullCheckpointing, EveryKCheckpointing)) for c in candidates))
 

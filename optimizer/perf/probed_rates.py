@@ -10,7 +10,7 @@ from __future__ import annotations
 from optimizer.perf.probe_plan import collective_beta, compute_rate
 from optimizer.perf.throughput import FEATURES, Rates
 from optimizer.study.knobs import Precision, ZeroStage
-from optimizer.study.machine_probe import MachineProbe
+from optimizer.study.machine_probe import MachineProbe, ProbeFigure
 from optimizer.study.specs import HardwareSpec
 
 
@@ -23,7 +23,8 @@ def probed_rates(rates: Rates, *, hardware: HardwareSpec, probe: MachineProbe) -
     host↔device copy (the offload buffers are pinned; CPU ranks: a host copy); per parameter of DeepSpeedCPUAdam's
     step; per byte of NVMe (write and read together) and of device memory (QLoRA's dequantization); per micro-step of
     DeepSpeed's engine at each ZeRO stage, its optimizer step's extra as :attr:`Rates.step_shares` and recomputation's
-    as :attr:`Rates.recompute_shares` (the skeleton's micro-steps, :mod:`optimizer.perf.skeleton`). ``source`` names
+    as :attr:`Rates.recompute_shares` (the skeleton's micro-steps, :mod:`optimizer.perf.skeleton`), in the space's
+    16-bit precision where it has one, the other precisions' engines as :attr:`Rates.engine_factors`. ``source`` names
     which figures came from where. Multi-node studies keep the profile's link: the probe times one node's ranks."""
     seconds = list(rates.seconds_per)
     probed: list[str] = []
@@ -59,20 +60,30 @@ def probed_rates(rates: Rates, *, hardware: HardwareSpec, probe: MachineProbe) -
         take("nvme_bytes", sum(f.median_s for f in nvme) / sum(f.work for f in nvme))
     memory = probe.find("memory")
     take("dequant_bytes", memory and memory.seconds_per_unit)
+    timed = {f.precision for f in probe.of_kind("engine_micro")}
+    main = next((p.value for p in (half, Precision.FP32) if p.value in timed), min(timed, default=""))
     shares: list[tuple[int, float]] = []
+    others: list[tuple[str, int, float, float]] = []
     micro_s: dict[int, float] = {}
     for stage in ZeroStage:
-        micro, step = (next((f for f in probe.of_kind(kind) if f.variant == f"z{int(stage)}"), None)
+        micro, step = (engine_figure(probe, kind, variant=f"z{int(stage)}", precision=main)
                        for kind in ("engine_micro", "engine_step"))
-        if micro is not None:
-            take(f"micro_steps_z{int(stage)}", micro.median_s)
-            micro_s[int(stage)] = micro.median_s
-            if step is not None:
-                shares.append((int(stage), max(0.0, step.median_s - micro.median_s) / micro.median_s))
+        if micro is None:
+            continue
+        take(f"micro_steps_z{int(stage)}", micro.median_s)
+        micro_s[int(stage)] = micro.median_s
+        if step is not None:
+            shares.append((int(stage), max(0.0, step.median_s - micro.median_s) / micro.median_s))
+        for precision in sorted(timed - {main}):  # the same stage in another precision: a factor of it
+            other, other_step = (engine_figure(probe, kind, variant=f"z{int(stage)}", precision=precision)
+                                 for kind in ("engine_micro", "engine_step"))
+            if other is not None:
+                share = max(0.0, other_step.median_s - other.median_s) / other.median_s if other_step else 0.0
+                others.append((precision, int(stage), other.median_s / micro.median_s, share))
     recompute: list[tuple[int, float]] = []
     for figure in probe.of_kind("engine_micro"):  # "z0 ckpt=full": the lowest stage with every block recomputed
         stage, _, checkpointed = figure.variant.partition(" ckpt=")
-        plain = micro_s.get(int(stage[1:])) if checkpointed == "full" else None
+        plain = micro_s.get(int(stage[1:])) if checkpointed == "full" and figure.precision == main else None
         if plain:
             extra = max(0.0, figure.median_s - plain)
             recompute = [(z, extra / per_micro) for z, per_micro in micro_s.items()]
@@ -83,4 +94,12 @@ def probed_rates(rates: Rates, *, hardware: HardwareSpec, probe: MachineProbe) -
     if kept:
         source += f"; {rates.source} ({', '.join(kept)})"
     return Rates(seconds_per=tuple(seconds), source=source, overlap_z3=rates.overlap_z3,
-                 flop_factors=tuple(sorted(factors)), step_shares=tuple(shares), recompute_shares=tuple(recompute))
+                 flop_factors=tuple(sorted(factors)), step_shares=tuple(shares), recompute_shares=tuple(recompute),
+                 engine_factors=tuple(others))
+
+
+def engine_figure(probe: MachineProbe, kind: str, *, variant: str, precision: str) -> ProbeFigure | None:
+    """The engine figure of that kind, variant and precision (a probe taken before the engine was timed in each
+    precision has one precision: its figures stand for every precision)."""
+    figures = [f for f in probe.of_kind(kind) if f.variant == variant]
+    return next((f for f in figures if f.precision == precision), None)

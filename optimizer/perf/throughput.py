@@ -150,6 +150,11 @@ class Rates:
     """(ZeRO stage, share): the cost per micro-step of recomputing every block (``torch.utils.checkpoint``'s own
     work beside the recomputed FLOPs: the probe's engine checkpointed less plain, :mod:`optimizer.perf.probed_rates`),
     in units of the stage's micro-step; a candidate's stage feature counts M·share·``recomputed_blocks`` more."""
+    engine_factors: tuple[tuple[str, int, float, float], ...] = ()
+    """(precision, ZeRO stage, factor, share): the engine of that stage timed in another precision than the figure
+    in ``seconds_per`` (DeepSpeed's optimizer wrapper differs by precision, :mod:`optimizer.perf.probe_plan`): its
+    micro-step costs ``factor`` of the stage's, its optimizer step ``share`` of its own micro-step more; a candidate
+    in that precision counts factor·(M + share) of the stage's micro-steps instead of M + the stage's share."""
 
     def features(self, job: Work) -> tuple[float, ...]:
         """``job``'s work in :data:`FEATURES` order, its FLOPs scaled by :attr:`flop_factors` (per precision of
@@ -160,10 +165,12 @@ class Rates:
             half = next((p for p, _, _ in self.flop_factors if p != Precision.FP32.value), Precision.BF16.value)
             for index, precision in ((0, Precision.FP32.value), (1, half)):
                 vector[index] *= factors.get((precision, job.micro_batch_size), 1.0)
-        for stage, share in self.step_shares:
-            index = FEATURES.index(f"micro_steps_z{stage}")
-            if vector[index]:
-                vector[index] += share
+        index = FEATURES.index(f"micro_steps_z{int(job.stage)}")
+        if vector[index]:  # the stage's engine: its step's share, in the candidate's precision where timed apart
+            own = {stage: (factor, share) for precision, stage, factor, share in self.engine_factors
+                   if precision == job.precision.value}
+            factor, share = own.get(int(job.stage), (1.0, dict(self.step_shares).get(int(job.stage), 0.0)))
+            vector[index] = factor * (vector[index] + share)
         for stage, share in self.recompute_shares if job.recomputed_blocks else ():
             index = FEATURES.index(f"micro_steps_z{stage}")
             vector[index] += job.micro_steps * job.recomputed_blocks * share if vector[index] else 0.0

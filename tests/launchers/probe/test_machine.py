@@ -51,9 +51,12 @@ def test_cache_key_is_the_plan_and_the_machine(monkeypatch):
         study, plan)
     engines = rank_input(lora, probe_plan(lora))["engines"]
     assert engines[0]["model"]["peft"]["r"] == 2 and engines[0]["model"]["hidden_size"] < study.model.hidden_size
-    # each stage of the space, then the lowest again with every block checkpointed (the space recomputes blocks)
-    assert [(e["stage"], e["checkpointing"]) for e in engines] == [(0, "none"), (1, "none"), (2, "none"),
-                                                                   (3, "none"), (0, "full")]
+    # each stage of the space in its 16-bit precision, then the lowest again with every block checkpointed (the
+    # space recomputes blocks), then each stage in fp32: DeepSpeed wraps the optimizer by precision
+    assert [(e["stage"], e["checkpointing"], e["precision"]) for e in engines] == [
+        (0, "none", "bf16"), (1, "none", "bf16"), (2, "none", "bf16"), (3, "none", "bf16"), (0, "full", "bf16"),
+        (0, "none", "fp32"), (1, "none", "fp32"), (2, "none", "fp32"), (3, "none", "fp32")]
+    assert all(("bf16" in e["config"]) is (e["precision"] == "bf16") for e in engines)
     assert all(e["config"]["gradient_accumulation_steps"] == 2 and e["sequence_length"] == 16 for e in engines)
 
 

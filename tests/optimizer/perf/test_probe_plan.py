@@ -161,6 +161,35 @@ def test_the_engines_figures_are_each_stages_cost_per_micro_step_and_per_step():
     assert fitted.step_shares == rates.step_shares  # calibration scales a stage's cost, its shape stays the probe's
 
 
+def test_each_precision_pays_its_own_engines_cost():
+    study = load_study(ROOT / "studies" / "grid-cpu.yaml")
+    plan = probe_plan(study)
+    assert (plan.engine_precision, plan.engine_others) == ("bf16", ("fp32",))  # grid-cpu's space holds both
+    engine = (figure("engine_micro", 0.004, 1, precision="bf16", variant="z1"),
+              figure("engine_step", 0.034, 1, precision="bf16", variant="z1"),
+              figure("engine_micro", 0.002, 1, precision="fp32", variant="z1"),
+              figure("engine_step", 0.005, 1, precision="fp32", variant="z1"),
+              figure("engine_micro", 0.030, 1, precision="fp32", variant="z0 ckpt=full"))  # not the main precision's
+    probe = replace(two_rank_probe(), figures=two_rank_probe().figures + engine)
+    rates = profile_rates(hardware=replace(study.hardware, probe=probe))
+    assert dict(zip(FEATURES, rates.seconds_per, strict=True))["micro_steps_z1"] == 0.004  # the 16-bit engine's
+    assert rates.engine_factors == (("fp32", 1, pytest.approx(0.5), pytest.approx(1.5)),)  # 2/4 ms; (5 − 2) / 2
+    assert rates.recompute_shares == ()
+    base = baseline_candidate(study.training)
+    for precision, per_step in (("bf16", lambda m: 0.004 * (m + 7.5)), ("fp32", lambda m: 0.002 * m + 0.003)):
+        for mbs in (1, 4):
+            c = with_knobs(base, dict(zero_stage=1, precision=precision, micro_batch_size=mbs,
+                                      offload_optimizer="none"))
+            job = work(candidate=c, model=study.model, hardware=study.hardware, training=study.training)
+            engine_s = rates.features(job)[FEATURES.index("micro_steps_z1")] * 0.004  # the stage's seconds
+            assert engine_s == pytest.approx(per_step(job.micro_steps))
+    fitted = fit_rates([TimeSample(work=job, step_time_s=1.0)], prior=rates)
+    assert fitted.engine_factors == rates.engine_factors  # calibration scales the stage, each precision's shape stays
+    old = profile_rates(hardware=replace(study.hardware, probe=replace(two_rank_probe(), figures=(
+        two_rank_probe().figures + engine[:2]))))  # a probe of one precision: its figures stand for every one
+    assert old.engine_factors == () and dict(old.step_shares) == {1: pytest.approx(7.5)}
+
+
 def test_recomputation_costs_its_probed_extra_per_micro_step_in_proportion_to_the_blocks_it_recomputes():
     study = load_study(ROOT / "studies" / "grid-cpu.yaml")
     assert probe_plan(study).engine_recompute  # grid-cpu's space has checkpointing: full

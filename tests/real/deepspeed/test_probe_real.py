@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launchers.probe.machine import cached_probe, with_probe
-from launchers.rank.probe_rank import ROUNDS
+from launchers.rank.probe_rank import ENGINE_ROUNDS, ROUNDS
 from optimizer.cli import main
 from optimizer.perf.probe_plan import probe_plan
 from optimizer.perf.throughput import FEATURES, profile_rates
@@ -39,7 +39,8 @@ def test_dsopt_probe_times_every_planned_operation_and_caches_it(tmp_path, monke
     kinds = {f["kind"] for f in probe["figures"]}
     assert {"device_adam", "host_adam", "copy", "all_reduce", "reduce_scatter", "all_gather"} <= kinds
     for f in probe["figures"]:
-        assert 0 < f["low_s"] <= f["median_s"] <= f["high_s"] and f["repeats"] == ROUNDS
+        assert 0 < f["low_s"] <= f["median_s"] <= f["high_s"]
+        assert f["repeats"] == (ENGINE_ROUNDS if f["kind"].startswith("engine") else ROUNDS)
     gemm = next(f for f in probe["figures"] if f["kind"] == "gemm" and f["micro_batch"] == plan.micro_batches[0])
     assert gemm["work"] == plan.gemm_flops(plan.micro_batches[0])
 
@@ -54,12 +55,18 @@ def test_dsopt_probe_times_every_planned_operation_and_caches_it(tmp_path, monke
                                         "host_params"))
     # DeepSpeed's engine on the model's skeleton, each stage of the space: its cost per micro-step, and its optimizer
     # step's in micro-steps
-    engine = {(f["kind"], f["variant"]) for f in probe["figures"] if f["kind"].startswith("engine")}
-    variants = [f"z{stage}" for stage in plan.engine_stages] + ([f"z{plan.engine_stages[0]} ckpt=full"]
-                                                                 if plan.engine_recompute else [])
-    assert engine == {(kind, variant) for kind in ("engine_micro", "engine_step") for variant in variants}
+    # step's in micro-steps; in each precision of the space (DeepSpeed wraps the optimizer by precision)
+    engine = {(f["kind"], f["precision"], f["variant"]) for f in probe["figures"] if f["kind"].startswith("engine")}
+    main_ = plan.engine_precision
+    variants = [(main_, f"z{stage}") for stage in plan.engine_stages] + (
+        [(main_, f"z{plan.engine_stages[0]} ckpt=full")] if plan.engine_recompute else []) + [
+        (other, f"z{stage}") for other in plan.engine_others for stage in plan.engine_stages]
+    assert plan.engine_others == ("fp32",) and main_ == "bf16"  # demo-cpu's space: fp32 and bf16
+    assert engine == {(kind, *variant) for kind in ("engine_micro", "engine_step") for variant in variants}
     assert all(known[f"micro_steps_z{stage}"] for stage in plan.engine_stages)
     assert {stage for stage, _ in rates.step_shares} == set(plan.engine_stages)
-    micro = {f["variant"]: f["median_s"] for f in probe["figures"] if f["kind"] == "engine_micro"}
+    assert {(p, stage) for p, stage, _, _ in rates.engine_factors} == {("fp32", s) for s in plan.engine_stages}
+    micro = {f["variant"]: f["median_s"] for f in probe["figures"] if f["kind"] == "engine_micro"
+             and f["precision"] == main_}
     assert micro["z3"] > micro["z0"]  # ZeRO-3 gathers every module's parameters in each micro-step; ZeRO-0 nothing
     assert plan.engine_recompute and rates.recompute_shares  # demo-cpu's space has checkpointing: full
