@@ -9,8 +9,9 @@ Each operation runs once to warm up, then ``ROUNDS`` rounds; a round repeats it 
 waits on a call the others never make). A CUDA round is timed with CUDA events around the repetitions, a CPU round
 with ``time.perf_counter``. The collectives go through ``deepspeed.comm`` — DeepSpeed's own backend choice, as the
 engine's collectives do (gloo, or its shared-memory all-reduce on CPU ranks; NCCL on GPUs). Last, DeepSpeed's engine
-itself at each ZeRO stage of the space, on the study's model at a tiny width (:func:`engine_rounds`). Rank k writes
-``rank<k>.json``: per figure its kind, precision, micro-batch, variant, work and seconds per run of each round; an
+itself at each ZeRO stage of the space, in each precision of the space, on the study's model at a tiny width
+(:func:`engine_rounds`). Rank k writes ``rank<k>.json`` (``probe_rank<k>.json`` where the probe ends a trial's launch,
+:func:`after_trial`): per figure its kind, precision, micro-batch, variant, work and seconds per run of each round; an
 operation the machine cannot run is written as skipped with the reason, never a crash of the probe.
 """
 
@@ -346,7 +347,8 @@ def after_trial(plan: dict[str, Any], out_dir: Path) -> None:
     """The probe within a trial's launch, once the trial's own report is written and its engine freed: the FP32
     reference's launch carries it where the study has no probe yet (:mod:`launchers.study.study_run`), so that
     the probe pays no launch, imports or process group of its own. Writes ``probe_rank<k>.json``; a failure is
-    written there as the probe's, never as the trial's (whose report stands)."""
+    written there as the probe's, and the rank exits at once (non-zero, so that torchrun ends a peer waiting in a
+    collective): the trial's report stands (:func:`launchers.trial.run.run_trial` keeps it)."""
     import torch
 
     gc.collect()
@@ -356,7 +358,11 @@ def after_trial(plan: dict[str, Any], out_dir: Path) -> None:
     try:
         report = run(plan)
     except Exception as err:  # the trial stands; the study probes again on its own launch
-        report = {"rank": rank, "error": f"{type(err).__name__}: {str(err)[:500]}"}
+        write_report({"rank": rank, "error": f"{type(err).__name__}: {str(err)[:500]}"},
+                     out_dir / f"probe_rank{rank}.json")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # at once, no barrier: a peer may wait in a collective this rank never joins; torchrun ends it
     write_report(report, out_dir / f"probe_rank{rank}.json")
 
 

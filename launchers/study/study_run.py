@@ -111,15 +111,21 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
     ours = baseline in valid and baseline in set(spec.search_space.candidates(base))
 
     def reference_run() -> list[float]:
-        if riding is not None:
+        launched = riding is not None and cached_reference_losses(spec) is None  # else its folder is not ours
+        if launched:
             _say(worker, announcement(probe_plan(spec), within=" at the end of the FP32 reference's launch"))
-        losses = reference_losses(spec, gpus=gpus, probe=riding, probe_timeout_s=PROBE_TIMEOUT_S)
-        if riding is not None:
+        losses = reference_losses(spec, gpus=gpus, probe=riding if launched else None,
+                                  probe_timeout_s=PROBE_TIMEOUT_S)
+        if launched:
             collect_riding(spec, spec.output_dir / "reference", gpus=gpus, say=lambda text: _say(worker, text))
         return losses
 
-    def probed() -> StudySpec:  # the riding probe, cached by now (or, where it failed, one of its own now)
-        return with_probe(spec, gpus=gpus, holder=worker, say=lambda text: _say(worker, text))
+    probed_specs: list[StudySpec] = []
+
+    def probed() -> StudySpec:  # the riding probe, cached by now (or, where it failed, one of its own now), once
+        if not probed_specs:
+            probed_specs.append(with_probe(spec, gpus=gpus, holder=worker, say=lambda text: _say(worker, text)))
+        return probed_specs[0]
     losses = setup_study(study=study, spec=spec, space=space, worker=worker, key=reference_key(spec),
                          say=lambda text: _say(worker, text),
                          measured=lambda: [baseline] if ours and runner is None and reference_as_trial(

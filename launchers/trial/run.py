@@ -47,7 +47,7 @@ from optimizer.deepspeed.config import build_ds_config
 from optimizer.deepspeed.versions import installed_versions, warn_deepspeed_mismatch
 from optimizer.ledger.core import evaluate
 from optimizer.perf.throughput import predict_candidate
-from optimizer.results.trial_result import Outcome, StopAbove, TrialResult, summarize, wrong_device
+from optimizer.results.trial_result import OVER_BUDGET, Outcome, StopAbove, TrialResult, summarize, wrong_device
 from optimizer.search.coordination import now_utc, worker_id
 from optimizer.search.objective import RETRIED
 from optimizer.study.constraints import invalid_reasons
@@ -278,8 +278,13 @@ def run_trial(*, study: StudySpec, candidate: Candidate, trial_dir: Path | None 
         path = trial_dir / f"rank{rank}.json"
         with contextlib.suppress(OSError, json.JSONDecodeError):  # no report: the rank died (crash, or oom_host)
             reports[rank] = json.loads(path.read_text())
+    # every rank's trial report written and ok before the probe ran: a probe that then failed, hung or crashed at
+    # exit fails the probe (collect_riding finds no report and the study probes on a launch of its own), not the trial
+    measured = probe is not None and len(reports) == ranks and all(
+        r.get("status") in (Outcome.OK.value, OVER_BUDGET) for r in reports.values())
     result = summarize(
-        rank_reports=reports, world_size=ranks, returncode=run.returncode, timed_out=run.timed_out,
+        rank_reports=reports, world_size=ranks, returncode=0 if measured else run.returncode,
+        timed_out=run.timed_out and not measured,
         tokens_per_step=study.model.rows(study.training.global_batch_size) * study.training.sequence_length
         if study.trial.command is None else script_tokens_per_step(study, reports),
         reference_losses=reference_losses, log_tail=log_tail(log_path), wall_s=run.wall_s,

@@ -25,12 +25,14 @@ probe answers for *this* model on *this* machine, not for a datasheet's ideal GE
   ZeRO-0's one all-reduce 20× too slow).
 * **NVMe**: write and read at ``hardware.nvme_path`` where the space offloads to NVMe.
 * **DeepSpeed's engine**: one micro-step that accumulates and one that steps the optimizer, at each ZeRO stage of the
-  space, on the study's model at a tiny width (:mod:`optimizer.perf.skeleton`): DeepSpeed's own cost per micro-step
-  and per optimizer step — hooks, buckets, each collective call's latency — which the FLOPs and bytes above leave out.
+  space, in each precision of the space (:attr:`ProbePlan.engine_others`), on the study's model at a tiny width
+  (:mod:`optimizer.perf.skeleton`): DeepSpeed's own cost per micro-step and per optimizer step — hooks, buckets, each
+  collective call's latency — which the FLOPs and bytes above leave out.
 
-:func:`probe_rates` turns the probe into the time model's seconds per unit (:class:`~optimizer.perf.throughput.Rates`)
-with the per-micro-batch shape of the compute rate (:attr:`Rates.flop_factors`): the machine's kernels are not
-linear in FLOPs (a CPU's bf16 GEMM runs 2.3× faster per FLOP at micro-batch 4 than at 1; fp32 1.04×).
+:func:`optimizer.perf.probed_rates.probed_rates` turns the probe into the time model's seconds per unit
+(:class:`~optimizer.perf.throughput.Rates`) with the per-micro-batch shape of the compute rate
+(:attr:`Rates.flop_factors`): the machine's kernels are not linear in FLOPs (a CPU's bf16 GEMM runs 2.3× faster per
+FLOP at micro-batch 4 than at 1; fp32 1.04×).
 """
 
 from __future__ import annotations

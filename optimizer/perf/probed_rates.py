@@ -61,7 +61,10 @@ def probed_rates(rates: Rates, *, hardware: HardwareSpec, probe: MachineProbe) -
     memory = probe.find("memory")
     take("dequant_bytes", memory and memory.seconds_per_unit)
     timed = {f.precision for f in probe.of_kind("engine_micro")}
-    main = next((p.value for p in (half, Precision.FP32) if p.value in timed), min(timed, default=""))
+    # the plan's engine precision (probe_plan: the space's 16-bit one, else fp32): the one recomputation was timed in
+    checkpointed = [f.precision for f in probe.of_kind("engine_micro") if " ckpt=" in f.variant]
+    main = next(iter(checkpointed), next((p.value for p in (Precision.BF16, Precision.FP16, Precision.FP32)
+                                          if p.value in timed), ""))
     shares: list[tuple[int, float]] = []
     others: list[tuple[str, int, float, float]] = []
     micro_s: dict[int, float] = {}

@@ -40,11 +40,13 @@ class ProbeFigure:
     kind: str
     """One of :data:`KINDS`."""
     precision: str = ""
-    """Training precision of a ``gemm``/``attention`` figure (``fp32``, ``bf16``, ``fp16``); empty otherwise."""
+    """Training precision of a ``gemm``/``attention``/``engine_*`` figure (``fp32``, ``bf16``, ``fp16``); empty
+    otherwise."""
     micro_batch: int = 0
     """Micro-batch size of a ``gemm``/``attention`` figure; 0 otherwise."""
     variant: str = ""
-    """``pinned``/``pageable`` for ``copy``, ``h2d``/``d2h`` appended (``pinned h2d``); empty otherwise."""
+    """``pinned``/``pageable`` for ``copy``, ``h2d``/``d2h`` appended (``pinned h2d``); a collective's size
+    (``8192 B``); an engine's stage (``z2``, ``z0 ckpt=full``); empty otherwise."""
     work: float
     """What one run does, in the kind's unit (FLOPs, parameters or bytes; :data:`KINDS`)."""
     median_s: float

@@ -168,13 +168,11 @@ def test_each_precision_pays_its_own_engines_cost():
     engine = (figure("engine_micro", 0.004, 1, precision="bf16", variant="z1"),
               figure("engine_step", 0.034, 1, precision="bf16", variant="z1"),
               figure("engine_micro", 0.002, 1, precision="fp32", variant="z1"),
-              figure("engine_step", 0.005, 1, precision="fp32", variant="z1"),
-              figure("engine_micro", 0.030, 1, precision="fp32", variant="z0 ckpt=full"))  # not the main precision's
+              figure("engine_step", 0.005, 1, precision="fp32", variant="z1"))
     probe = replace(two_rank_probe(), figures=two_rank_probe().figures + engine)
     rates = profile_rates(hardware=replace(study.hardware, probe=probe))
     assert dict(zip(FEATURES, rates.seconds_per, strict=True))["micro_steps_z1"] == 0.004  # the 16-bit engine's
     assert rates.engine_factors == (("fp32", 1, pytest.approx(0.5), pytest.approx(1.5)),)  # 2/4 ms; (5 − 2) / 2
-    assert rates.recompute_shares == ()
     base = baseline_candidate(study.training)
     for precision, per_step in (("bf16", lambda m: 0.004 * (m + 7.5)), ("fp32", lambda m: 0.002 * m + 0.003)):
         for mbs in (1, 4):
@@ -188,6 +186,16 @@ def test_each_precision_pays_its_own_engines_cost():
     old = profile_rates(hardware=replace(study.hardware, probe=replace(two_rank_probe(), figures=(
         two_rank_probe().figures + engine[:2]))))  # a probe of one precision: its figures stand for every one
     assert old.engine_factors == () and dict(old.step_shares) == {1: pytest.approx(7.5)}
+    # an fp16 + fp32 space on a machine with bf16: the plan's engine precision is fp16, the one recomputation was
+    # timed in, whatever the hardware supports
+    fp16 = (*(replace(f, precision="fp16") for f in engine[:2]),
+            figure("engine_micro", 0.002, 1, precision="fp32", variant="z1"),
+            figure("engine_micro", 0.010, 1, precision="fp16", variant="z1 ckpt=full"))
+    mixed = profile_rates(hardware=replace(study.hardware, probe=replace(two_rank_probe(), figures=(
+        two_rank_probe().figures + fp16))))
+    assert dict(zip(FEATURES, mixed.seconds_per, strict=True))["micro_steps_z1"] == 0.004
+    assert mixed.engine_factors == (("fp32", 1, pytest.approx(0.5), 0.0),)  # no stepping figure: no share
+    assert dict(mixed.recompute_shares) == {1: pytest.approx(1.5)}  # (10 − 4) / 4
 
 
 def test_recomputation_costs_its_probed_extra_per_micro_step_in_proportion_to_the_blocks_it_recomputes():

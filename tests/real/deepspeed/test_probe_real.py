@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from launchers.probe.machine import cached_probe, with_probe
+from launchers.probe.machine import cached_probe, collect_riding, with_probe
 from launchers.rank.probe_rank import ENGINE_ROUNDS, ROUNDS
+from launchers.trial.run import probe_seconds, reference_candidate, run_trial
 from optimizer.cli import main
 from optimizer.perf.probe_plan import probe_plan
 from optimizer.perf.throughput import FEATURES, profile_rates
+from optimizer.results.trial_result import Outcome
 from optimizer.study.study_file import load_study
 
 pytestmark = pytest.mark.slow
@@ -70,3 +72,21 @@ def test_dsopt_probe_times_every_planned_operation_and_caches_it(tmp_path, monke
              and f["precision"] == main_}
     assert micro["z3"] > micro["z0"]  # ZeRO-3 gathers every module's parameters in each micro-step; ZeRO-0 nothing
     assert plan.engine_recompute and rates.recompute_shares  # demo-cpu's space has checkpointing: full
+
+
+def test_a_probe_that_fails_in_the_reference_launch_fails_alone(tmp_path, monkeypatch):
+    """The probe runs after the trial's report is written (probe_rank.after_trial): its failure is the probe's —
+    the reference stands, and the study finds no riding probe and probes on a launch of its own."""
+    monkeypatch.setenv("DSOPT_CACHE_DIR", str(tmp_path / "cache"))
+    shutil.copy(ROOT / "studies" / "demo-cpu.yaml", tmp_path / "demo-cpu.yaml")
+    study = load_study(tmp_path / "demo-cpu.yaml")
+    folder = tmp_path / "reference"
+    broken = {"accelerator": "cpu"}  # no operations listed: both ranks' probes fail at once
+    result = run_trial(study=study, candidate=reference_candidate(study), trial_dir=folder, probe=broken,
+                       probe_timeout_s=60)
+    assert result.outcome is Outcome.OK and result.losses
+    reports = [json.loads((folder / f"probe_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(report["error"].startswith("KeyError") for report in reports)
+    said: list[str] = []
+    assert collect_riding(study, folder, say=said.append) is None and "failed on rank 0: KeyError" in said[0]
+    assert probe_seconds(folder) == 0.0 and cached_probe(study) is None
