@@ -24,6 +24,11 @@ if TYPE_CHECKING:
     from torch import nn
 
 FOUR_BIT_TAG = "dsopt_four_bit"
+HELD_TAG = "dsopt_held_by_autograd"
+"""Set on a 4-bit weight whose matmul kept it for backward in a forward outside backward (the trace's
+:func:`emulate_four_bit_matmuls`): ``MatMul4Bit`` keeps it as a node attribute when an input needs a gradient
+(bitsandbytes 0.50.2 ``autograd/_functions.py:357-358``), which ZeRO-3's release does not free
+(:mod:`optimizer.deepspeed.zero3_gather`)."""
 """Attribute set on a parameter that transformers' quantizer turns 4-bit."""
 
 
@@ -133,6 +138,9 @@ def emulate_four_bit_matmuls(model: nn.Module, fields: dict[str, Any]) -> int:
         def forward(x: Any, *, layer: Any = module, conv: bool = conv1d, nested: int = blocks) -> Any:
             w = layer.weight.t() if conv else layer.weight
             out = function.apply(x.to(compute), w, layer.bias, layer.weight.dtype, nested)
+            if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad) \
+                    and torch._C._current_autograd_node() is None:  # kept for backward, in forward proper
+                setattr(layer.weight, HELD_TAG, True)
             return out.to(x.dtype)
 
         module.forward = forward

@@ -40,7 +40,7 @@ TRACE_CODE = ("launchers.trace.tracer", "launchers.trace.trace_depth", "launcher
               "launchers.models.construction", "launchers.models.hf_model", "launchers.models.fake_kernels",
               "optimizer.deepspeed.zero3_gather", "optimizer.deepspeed.zero_settings", "launchers.models.trainable",
               "launchers.models.zero3_linear", "launchers.models.reference",
-              "launchers.trace.zero3_events", "launchers.trace.cpu_kernels")
+              "launchers.trace.zero3_events", "launchers.trace.zero3_held", "launchers.trace.cpu_kernels")
 """dsopt's modules that make a whole-model trace (the tracer, the depth extension, the models it builds, the
 ZeRO-3 replay): their source is in every key, so an edit of any of them traces again."""
 ENTRY_FORMAT = 1
@@ -193,6 +193,7 @@ def traced_activation(*, cache: TraceCache | None, model_spec: dict[str, Any], c
     extend to its ``parameters`` (:meth:`TraceCache.entry`); ``cache`` None: not stored."""
     store = cache if cache is not None else TraceCache(None)
     points, joints, splits, phase, notes, zero3, zero3_joints = [], [], [], "backward", (), 0, []
+    autograd_held = 0
     for micro_batch in sorted(set(micro_batches)):
         entry = store.entry(model_spec=model_spec, parameters=parameters, checkpointing=checkpointing,
                             precision=precision, micro_batch=micro_batch, sequence_length=sequence_length)
@@ -206,12 +207,13 @@ def traced_activation(*, cache: TraceCache | None, model_spec: dict[str, Any], c
                        max(result["graded_segments"], default=0)))
         phase, notes = result["peak_phase"], tuple(result["notes"])
         zero3 = max(zero3, result["zero3_gathered_elements"])
-        if result["zero3_joint_segments"]:  # (activations, gathered + buffered) where their sum peaked
-            working, *held = max(result["zero3_joint_segments"], key=sum)
-            zero3_joints.append((micro_batch, int(working), int(sum(held))))
+        autograd_held = max(autograd_held, int(result.get("zero3_autograd_held_bytes", 0)))
+        if result["zero3_joint_segments"]:  # (activations, gathered, buffered, autograd's copies) where they peaked
+            working, gathered, buffered, copies = max(result["zero3_joint_segments"], key=sum)
+            zero3_joints.append((micro_batch, int(working), int(gathered + buffered), int(copies)))
     return TracedActivation(checkpointing=checkpointing, precision=precision, points=tuple(points), peak_phase=phase,
                             joint_points=tuple(joints), split_points=tuple(splits), notes=notes,
-                            zero3_gathered=zero3,
+                            zero3_gathered=zero3, zero3_autograd_held=autograd_held,
                             zero3_joint_points=tuple(zero3_joints) if len(zero3_joints) == len(points) else (),
                             zero3_run=bool(model_spec.get(ZERO3_RUN)))
 

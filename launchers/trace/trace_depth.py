@@ -92,9 +92,13 @@ def extrapolate(shallow: Any, deeper: Any, *, depths: tuple[int, int], layers: i
         # bounded by the bucket size, not the depth) are the deeper copy's
         pairs = _segments(tuple(s[:2] for s in shallow.zero3_joint_segments),
                           tuple(s[:2] for s in deeper.zero3_joint_segments), depths=depths, line=line)
-        kept = _segments(tuple(s[2:] for s in shallow.zero3_joint_segments),
-                         tuple(s[2:] for s in deeper.zero3_joint_segments), depths=depths, line=lambda _, b: b)
-        out["zero3_joint_segments"] = tuple((*pair, *buffers) for pair, buffers in zip(pairs, kept, strict=True))
+        kept = _segments(tuple(s[2:3] for s in shallow.zero3_joint_segments),
+                         tuple(s[2:3] for s in deeper.zero3_joint_segments), depths=depths, line=lambda _, b: b)
+        # autograd's copies (4-bit weights kept past their release) grow with the depth: extended as the rest
+        copies = _segments(tuple(s[3:] for s in shallow.zero3_joint_segments),
+                           tuple(s[3:] for s in deeper.zero3_joint_segments), depths=depths, line=line)
+        out["zero3_joint_segments"] = tuple((*pair, *buffers, *extra)
+                                            for pair, buffers, extra in zip(pairs, kept, copies, strict=True))
     for field in dataclasses.fields(deeper):
         a, b = getattr(shallow, field.name), getattr(deeper, field.name)
         if field.name in out:

@@ -31,16 +31,13 @@ import torch
 from torch import nn
 
 from launchers.models.fake_kernels import grouped_mm_for_fake_tensors, in_one_fake_mode
-from launchers.models.four_bit import emulate_four_bit_matmuls, is_four_bit
+from launchers.models.four_bit import emulate_four_bit_matmuls
 from launchers.models.reference import anchored, freeze_all, frozen_copy_spec, reference_forward
 from launchers.models.zero3_linear import deepspeed_linear
 from launchers.trace.cpu_kernels import cpu_promotion_copies
 from launchers.trace.zero3_events import deepspeed_module_events
-from optimizer.deepspeed.zero3_gather import gathered, replay
-from optimizer.deepspeed.zero_settings import gather_settings
-from optimizer.ledger.quantized import packed_elements
+from launchers.trace.zero3_held import zero3_gathered
 from optimizer.study.knobs import Precision
-from optimizer.study.quantization_section import STORAGE_BYTES
 from optimizer.study.traced_activation import ADAPTERS_CAST, CPU_KERNELS, ZERO3_RUN
 
 DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
@@ -91,9 +88,15 @@ class TraceResult:
     replayed over the traced module order (:mod:`optimizer.deepspeed.zero3_gather`)."""
     zero3_gathered_after_forward: int = 0
     """Of those, what is gathered when forward ends."""
-    zero3_joint_segments: tuple[tuple[int, int, int], ...] = ()
+    zero3_autograd_held_bytes: int = 0
+    """Bytes of the non-persistent 4-bit weights bitsandbytes' matmul kept for backward in this step
+    (:func:`optimizer.deepspeed.zero3_gather.autograd_copies`): what autograd keeps of them whatever ZeRO-3
+    releases."""
+    zero3_joint_segments: tuple[tuple[int, int, int, int], ...] = ()
     """(activations + temporaries, bytes of parameters ZeRO-3 holds gathered — each in its own dtype —, bytes of the
-    coalesced prefetch buffers that outlive their wait) where their sum peaked, per stretch as ``joint_segments``:
+    coalesced prefetch buffers that outlive their wait, bytes of released parameters autograd still holds —
+    :func:`optimizer.deepspeed.zero3_gather.autograd_copies`: 4-bit weights bitsandbytes' matmul kept —) where
+    their sum peaked, per stretch as ``joint_segments``:
     the coordinator replayed over the traced module order gives what is gathered between two module events, the
     trace what is live then. With full checkpointing the two peak apart (the gathers at the turn to backward, the
     activations while a block is recomputed), so this is less than their maxima added. The buffers are kept apart:
@@ -166,7 +169,8 @@ def _tracker(blocks: nn.ModuleList | None = None) -> Any:
             # (forward_pre | … | backward_post, module index) in DeepSpeed's order (launchers.trace.zero3_events)
             self.module_events: list[tuple[str, int]] = []
             # (module events so far, stretch) -> the activations' high-water mark between two module events: what
-            # is live beside the parameters ZeRO-3 holds gathered from one event to the next (:func:`_zero3_joint`)
+            # is live beside the parameters ZeRO-3 holds gathered from one event to the next
+            # (launchers.trace.zero3_held.zero3_joint)
             self.interval_marks: dict[tuple[int, int], int] = {}
 
         def note(self, kind: str, index: int) -> None:
@@ -322,7 +326,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
         return _failure(err)
     params = [p for p in model.parameters() if p.requires_grad]
     own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
-    gathered, gathered_turn, zero3_joint = _zero3_gathered(model, modules, tracker, model_spec)
+    gathered, gathered_turn, zero3_joint, autograd_held = zero3_gathered(model, modules, tracker, model_spec)
     return TraceResult(parameters=sum(p.numel() for p in params), largest_module_parameters=max(own, default=0),
                        activation_peak_bytes=tracker.working_peak, peak_phase=tracker.working_phase,
                        stored_bytes=stored, blocks_stored_bytes=blocks_stored,
@@ -332,6 +336,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                        ungraded_segments=tuple(tracker.ungraded_segments),
                        graded_segments=tuple(tracker.graded_segments), notes=tuple(notes),
                        zero3_gathered_elements=gathered, zero3_gathered_after_forward=gathered_turn,
+                       zero3_autograd_held_bytes=autograd_held,
                        zero3_joint_segments=zero3_joint)
 
 
@@ -351,50 +356,6 @@ def _reference_model(model_spec: dict[str, Any], sequence_length: int) -> nn.Mod
     else:
         model = build_model(spec, checkpointing="none")
     return freeze_all(model)
-
-
-def _zero3_gathered(model: nn.Module, modules: list[nn.Module], tracker: Any,
-                    model_spec: dict[str, Any]) -> tuple[int, int, tuple[tuple[int, int], ...]]:
-    """(most, after forward) parameter elements ZeRO-3 keeps gathered over this traced step, with the sizes
-    dsopt sets for the model (:mod:`optimizer.deepspeed.zero3_gather`), and the joint peak of the activations and
-    the gathered bytes per stretch (:attr:`TraceResult.zero3_joint_segments`)."""
-    if not model_spec.get("hidden_size") or not tracker.module_events:
-        return 0, 0, ()  # the sizes dsopt sets come from the width
-    events = tracker.module_events
-    index = {id(p): i for i, p in enumerate(model.parameters())}
-    module_params = [[index[id(p)] for p in m.parameters(recurse=False) if id(p) in index] for m in modules]
-    quantization = model_spec.get("quantization") or {}
-    storage = STORAGE_BYTES[quantization.get("bnb_4bit_quant_storage", "uint8")]
-    # a 4-bit weight is gathered as its packed storage elements (optimizer.ledger.transformer.held_tensors)
-    params = list(model.parameters())
-    numel = [packed_elements(p.numel(), storage_bytes=storage) if is_four_bit(p) else p.numel() for p in params]
-    weights = [n * (storage if is_four_bit(p) else p.element_size()) for n, p in zip(numel, params, strict=True)]
-    frozen = [i for i, p in enumerate(params) if not p.requires_grad]  # a recomputation holds these (zero3_gather)
-    settings = gather_settings(int(model_spec["hidden_size"]))
-    most, turn = gathered(events=events, module_params=module_params, param_numel=numel, settings=settings,
-                          frozen=frozen)
-    # the coalesced buffers, in a later step or in the first prefetching one (it gathers the persistent tensors too,
-    # zero3_gather), whichever holds more: kept apart, since they do not grow with the depth as the rest does
-    kwargs = {"events": events, "module_params": module_params, "param_numel": numel, "settings": settings,
-              "weights": weights, "frozen": frozen}
-    held = replay(**kwargs)
-    buffered = [max(a, b) - h for a, b, h in zip(replay(**kwargs, buffers=True),
-                                                 replay(**kwargs, buffers=True, first_step=True), held, strict=True)]
-    return most, turn, _zero3_joint(held, buffered, tracker.interval_marks, len(tracker.segments))
-
-
-def _zero3_joint(held: list[int], buffered: list[int], marks: dict[tuple[int, int], int],
-                 stretches: int) -> tuple[tuple[int, int, int], ...]:
-    """Per stretch, (activations, gathered bytes, buffered bytes) where their sum peaked: ``held[i]`` and
-    ``buffered[i]`` are what is gathered from module event ``i`` to the next (DeepSpeed fetches at a module's
-    pre-hook, before its ops, and releases at its post-hook, after them), ``marks[(i + 1, stretch)]`` the
-    activations' high-water mark then."""
-    out = [(0, 0, 0)] * stretches
-    for (interval, stretch), working in marks.items():
-        now = (working, held[interval - 1], buffered[interval - 1]) if interval else (working, 0, 0)
-        if sum(now) > sum(out[stretch]):
-            out[stretch] = now
-    return tuple(out)
 
 
 TRANSIENT_ERRORS = (MemoryError, OSError, TimeoutError)

@@ -227,6 +227,8 @@ def transformer_items(
     elif stage is ZeroStage.PARAMETERS:
         items = _stage3(z, candidate, settings, replayed=traced.zero3_gathered if traced is not None else 0,
                         joint_bytes=zero3_joint[1] if zero3_joint is not None else None,
+                        autograd_bytes=zero3_joint[2] if zero3_joint is not None else 0,
+                        autograd_held=traced.zero3_autograd_held if traced is not None else 0,
                         device_is_host=hardware.accelerator is Accelerator.CPU)
     else:
         items = _stage12(z, candidate, settings, joined=joined, split=split,

@@ -32,13 +32,19 @@ def gathers(z: _Sizes, candidate: Candidate) -> bool:
 
 
 def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, replayed: int,
-            device_is_host: bool, joint_bytes: int | None = None) -> list[LedgerItem]:
+            device_is_host: bool, joint_bytes: int | None = None, autograd_bytes: int = 0,
+            autograd_held: int = 0) -> list[LedgerItem]:
     """ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``) with optimizer and/or parameter offload. ``replayed``: the
     parameter elements the traced replay of DeepSpeed's coordinator keeps gathered at once (0: not traced,
     the largest module twice + one prefetch bucket + the reuse window instead). ``joint_bytes``: what the replay
     holds gathered, in bytes, at the traced moment the activations and the gathered parameters together peak
     (:meth:`optimizer.study.traced_activation.TracedActivation.zero3_joint_at`; the activation lines then are that
-    moment's too). ``device_is_host`` (CPU ranks): moving a host gradient partition "to the device" makes no
+    moment's too). ``autograd_bytes``: at that moment, the released parameters' copies autograd still holds —
+    4-bit weights bitsandbytes' matmul kept for backward, this micro-step's and the previous one's
+    (:func:`optimizer.deepspeed.zero3_gather.autograd_copies`): not the coordinator's, so not under its
+    ``max_live``; ``autograd_held`` the bytes of all those weights: what the coordinator's ``max_live`` releases of
+    them stays too (the traced depths hold everything gathered, a deep model is over ``max_live``). ``device_is_host``
+    (CPU ranks): moving a host gradient partition "to the device" makes no
     copy."""
     g, q, qt, qsym = z.g, z.q, z.q_trainable, z.q_tr
     prec = candidate.precision
@@ -85,6 +91,15 @@ def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, replayed
                   f"{DS} partitioned_param_coordinator.py:420-476, 634-665 (optimizer/deepspeed/zero3_gather.py)",
                   Phase.BACKWARD),
             _grad_of_module(z)]
+        if autograd_bytes or autograd_held:
+            released = min(max(0, joint_bytes - cap), autograd_held)  # over max_live, released: autograd keeps them
+            items.append(_item("released 4-bit weights bitsandbytes' matmul still holds (this micro-step's and, while "
+                               "the loop keeps its last loss, the previous one's)", Category.BUFFERS, Location.GPU,
+                               autograd_bytes + released, "traced: packed bytes" + (
+                                   f" + {released / 1e9:,.1f} GB released over max_live" if released else ""),
+                               f"bitsandbytes 0.50.2 autograd/_functions.py:357-358 (ctx.tensors); "
+                               f"{DS} partition_parameters.py:329 (optimizer/deepspeed/zero3_gather.py)",
+                               Phase.BACKWARD))
     elif replayed:
         # DeepSpeed's coordinator replayed over the traced module order: its prefetch marks keep parameters
         # gathered from their forward use to their backward one; at most max_live + one module past it.

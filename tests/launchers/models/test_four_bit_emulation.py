@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 bnb = pytest.importorskip("bitsandbytes")
 
-from launchers.models.four_bit import FOUR_BIT_TAG, emulate_four_bit_matmuls  # noqa: E402
+from launchers.models.four_bit import FOUR_BIT_TAG, HELD_TAG, emulate_four_bit_matmuls  # noqa: E402
 from launchers.rank.cpu_memory import start_cpu_profiler, stop_cpu_profiler  # noqa: E402
 
 
@@ -44,3 +44,46 @@ def test_the_emulated_layer_peaks_where_the_real_one_does(training, compute, nes
     # the dequantized weight (1 MB in fp32) dominates both; measured equal to the byte on an AMD EPYC
     assert real_peak > weight.numel() * 2
     assert abs(stand_in_peak - real_peak) <= 0.005 * real_peak, (stand_in_peak, real_peak)
+
+
+def _node_with_tensors(tensor: torch.Tensor):
+    """The MatMul4Bit node behind ``tensor`` (the one whose context has ``tensors``)."""
+    todo = [tensor.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None:
+            continue
+        if hasattr(node, "tensors"):
+            return node
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    raise AssertionError("no MatMul4Bit node")
+
+
+@pytest.mark.parametrize("needs_grad", [True, False])
+def test_the_real_matmul_keeps_the_packed_weight_past_a_release_and_the_stand_in_says_when(needs_grad):
+    # bitsandbytes 0.50.2 autograd/_functions.py:357-358: ctx.tensors = (None, B) when an input needs a gradient — a
+    # node attribute, not a saved tensor: ZeRO-3's release (param.data = torch.empty(0), partition_parameters.py:329)
+    # and backward leave it, and the storage lives while the graph does (optimizer/deepspeed/zero3_gather.py)
+    real = bnb.nn.Linear4bit(256, 1024, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
+    real.weight = bnb.nn.Params4bit(torch.randn(1024, 256, dtype=torch.bfloat16), requires_grad=False,
+                                    quant_type="nf4", blocksize=64).to("cpu")
+    packed = real.weight.data.untyped_storage().data_ptr()
+    x = torch.randn(2, 8, 256, dtype=torch.bfloat16, requires_grad=needs_grad)
+    y = real(x)
+    node = _node_with_tensors(y) if needs_grad else None
+    real.weight.data = torch.empty(0, dtype=real.weight.dtype)  # released as ZeRO-3 releases it
+    if needs_grad:
+        y.float().sum().backward()
+        assert node.tensors[1].untyped_storage().data_ptr() == packed  # still the forward's packed weight
+    stand_in = torch.nn.Linear(256, 1024, bias=False, dtype=torch.bfloat16)
+    stand_in.weight.requires_grad_(False)
+    setattr(stand_in.weight, FOUR_BIT_TAG, True)
+    emulate_four_bit_matmuls(stand_in, {"bnb_4bit_compute_dtype": "bfloat16"})
+    stand_in(x.detach().requires_grad_(needs_grad))
+    assert getattr(stand_in.weight, HELD_TAG, False) is needs_grad
+    with torch.no_grad():  # a reentrant checkpoint's first forward: nothing kept
+        fresh = torch.nn.Linear(256, 1024, bias=False, dtype=torch.bfloat16).requires_grad_(False)
+        setattr(fresh.weight, FOUR_BIT_TAG, True)
+        emulate_four_bit_matmuls(fresh, {"bnb_4bit_compute_dtype": "bfloat16"})
+        fresh(x.detach().requires_grad_(True))
+    assert not getattr(fresh.weight, HELD_TAG, False)

@@ -6,7 +6,7 @@ ends, on 2 CPU ranks) is tests/real/deepspeed/test_zero3_gather_real.py.
 
 from __future__ import annotations
 
-from optimizer.deepspeed.zero3_gather import GatherSettings, gathered, replay
+from optimizer.deepspeed.zero3_gather import GatherSettings, autograd_copies, gathered, replay
 
 # Three leaf modules a, b, c in a container r: r(a(), b(), c()), then backward c, b, a (r last).
 # Parameters: a owns 0 (100 elements), b owns 1 (100), c owns 2 (100); r owns none.
@@ -120,3 +120,34 @@ def test_in_the_first_prefetching_step_a_persistent_parameter_joins_a_bucket():
               "settings": _settings(50), "buffers": True}
     assert replay(**kwargs) == [100, 100, 100, 100, 0, 0]
     assert replay(**kwargs, first_step=True) == [100, 205, 205, 100, 0, 0]
+
+
+def _copies(settings: GatherSettings, held: list[int], numel: list[int] = NUMEL, previous: bool = False) -> list[int]:
+    return autograd_copies(events=EVENTS, module_params=MODULE_PARAMS, param_numel=numel, settings=settings,
+                           held=held, previous_graph=previous)
+
+
+def test_a_weight_autograd_keeps_outlives_its_release_until_the_step_ends():
+    # No prefetch: each module's parameter is gathered for its use and released after it (the first test). a and c
+    # are 4-bit weights bitsandbytes' matmul kept for backward: each release after forward leaves its forward copy
+    # (a from event 2, c from event 6), and backward's gathers are second copies, which the coordinator counts
+    copies = _copies(_settings(0), [0, 2])
+    assert copies == [0, 0, 100, 100, 100, 100, 200, 200, 200, 200, 200, 200, 200, 200, 200, 200]
+    # with the coordinator's own: c in backward (event 9) is its forward copy + the new one + a's forward copy
+    plain = replay(events=EVENTS, module_params=MODULE_PARAMS, param_numel=NUMEL, settings=_settings(0))
+    assert plain[9] + copies[9] == 300
+
+
+def test_a_loop_that_keeps_the_last_loss_holds_the_previous_micro_steps_copies_through_forward():
+    # previous_graph: the previous micro-step's forward copies of a and c (200) until backward begins (event 8)
+    difference = [x - y for x, y in zip(_copies(_settings(0), [0, 2], previous=True), _copies(_settings(0), [0, 2]),
+                                         strict=True)]
+    assert difference == [200] * 8 + [0] * 8
+
+
+def test_a_weight_kept_gathered_across_the_turn_is_one_copy_and_a_persistent_one_never_counts():
+    # prefetch 50 keeps c gathered from its forward use into its backward (the second test): one copy, the
+    # coordinator's, until its backward releases it (event 10); from then on the node still holds that storage
+    assert _copies(_settings(50), [2]) == [0] * 10 + [100] * 6
+    # a persistent tensor (b: 5 elements) is never released, so it is never a copy, not even the previous step's
+    assert _copies(_settings(0), [1], numel=[100, 5, 100], previous=True) == [0] * 16

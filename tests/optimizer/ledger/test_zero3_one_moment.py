@@ -24,13 +24,17 @@ ROOT = Path(__file__).resolve().parents[3]
 PEAK = {2: 900_000, 4: 1_700_000}  # stated: the activations' high-water mark per micro-batch
 MOST = 30_000  # the most elements ever gathered at once (fp32: 120,000 bytes)
 JOINT = {2: (850_000, 40_000), 4: (1_600_000, 48_000)}  # (activations, gathered bytes) where their sum peaked
+KEPT = "released 4-bit weights bitsandbytes' matmul still holds (this micro-step's and, while the loop keeps its " \
+    "last loss, the previous one's)"
 
 
-def _study(*, joint: bool = True, gpus: int = 2):
+def _study(*, joint: bool = True, gpus: int = 2, copies: dict[int, int] | None = None, held: int = 0,
+           gathered: dict[int, int] | None = None):
     study = load_study(ROOT / "studies" / "grid-cpu.yaml")
+    points = tuple((b, w, (gathered or {}).get(b, g), (copies or {}).get(b, 0)) for b, (w, g) in JOINT.items())
     entry = TracedActivation(checkpointing="full", precision=Precision.FP32, points=tuple(PEAK.items()),
-                             zero3_gathered=MOST,
-                             zero3_joint_points=tuple((b, *JOINT[b]) for b in JOINT) if joint else ())
+                             zero3_gathered=MOST, zero3_autograd_held=held,
+                             zero3_joint_points=points if joint else ())
     model = dataclasses.replace(study.model, activations=ActivationSource.TRACE, traced_activations=(entry,))
     hardware = dataclasses.replace(study.hardware, gpus_per_node=gpus)
     training = dataclasses.replace(study.training, global_batch_size=4 * gpus)
@@ -42,7 +46,7 @@ def _lines(study, micro_batch: int) -> dict[str, int]:
                                                                  "micro_batch_size": micro_batch})
     ledger = compute_ledger(candidate=candidate, model=study.model, hardware=study.hardware, training=study.training)
     return {i.name: i.bytes for i in ledger.items if i.location is Location.GPU and i.phase is Phase.BACKWARD
-            and (i.category is Category.ACTIVATIONS or "gathered" in i.name)}
+            and (i.category is Category.ACTIVATIONS or "gathered" in i.name or "4-bit" in i.name)}
 
 
 @pytest.mark.parametrize("micro_batch", [2, 4])
@@ -56,8 +60,22 @@ def test_the_gathered_parameters_and_the_activations_are_booked_at_the_moment_th
 
 def test_between_traced_micro_batches_the_pair_is_joined_as_the_activations_are():
     entry = _study().model.traced_activations[0]
-    assert entry.zero3_joint_at(3) == (1_225_000, 44_000)
-    assert entry.zero3_joint_at(2) == JOINT[2]
+    assert entry.zero3_joint_at(3) == (1_225_000, 44_000, 0)
+    assert entry.zero3_joint_at(2) == (*JOINT[2], 0)
+
+
+def test_the_4_bit_weights_autograd_keeps_are_a_line_of_their_own_and_what_max_live_releases_stays():
+    # at the joint moment 7,000 bytes of released 4-bit copies (optimizer/deepspeed/zero3_gather.autograd_copies)
+    lines = _lines(_study(copies={2: 7_000, 4: 9_000}, held=20_000), 2)
+    assert lines[KEPT] == 7_000 and lines[
+        "parameters gathered where they and the activations together peak (the coordinator replayed over the "
+        "traced step)"] == JOINT[2][1]
+    # a traced depth held more than the coordinator's max_live lets it: what it releases of the 4-bit weights
+    # autograd keeps, up to all of them (20,000)
+    huge = _lines(_study(copies={2: 7_000, 4: 9_000}, held=20_000, gathered={2: 10**15, 4: 10**15}), 2)
+    assert huge[KEPT] == 7_000 + 20_000
+    assert KEPT not in _lines(_study(), 2)  # no 4-bit weight kept: no line
+    assert KEPT not in _lines(_study(gpus=1, copies={2: 7_000, 4: 9_000}, held=20_000), 2)  # one rank: views
 
 
 def test_without_the_pair_the_most_gathered_is_added_to_the_high_water_mark():

@@ -37,10 +37,13 @@ def _study(folder: Path, name: str):
 
 
 @pytest.mark.parametrize(("name", "knobs", "bound"), [
-    # measured in the recorded grids (training's peak): −0.5 %, −0.9 %, −0.0 %
+    # measured in the recorded grids (training's peak): −0.5 %, −0.9 %
     ("grid-qlora-llama-cpu", {"zero_stage": 3, "precision": "bf16"}, 0.02),
     ("grid-qlora-llama-cpu", {"zero_stage": 0, "precision": "fp32", "checkpointing": "full"}, 0.02),
-    ("grid-qlora-wide-cpu", {"zero_stage": 0, "precision": "fp32"}, 0.01),
+    # where one dequantized weight (0.5 MB) and the packed weights bitsandbytes' matmul keeps past ZeRO-3's release
+    # (0.79 MB, optimizer/deepspeed/zero3_gather.py) set the peak: +0.1 % here, −21 % without the kept weights (the
+    # dequantized one is 14 % of the peak); 5 %, since on an AVX-512 machine bf16 runs of this model kept ~140 kB more
+    ("grid-qlora-wide-cpu", {"zero_stage": 3, "precision": "bf16"}, 0.05),
 ])
 def test_a_qlora_run_meets_the_ledger(tmp_path, name, knobs, bound):
     study = _study(tmp_path, name)

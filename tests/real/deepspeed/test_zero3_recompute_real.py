@@ -48,7 +48,7 @@ CASES = {  # name: (study, precision, without prefetch and reuse)
 }
 
 
-REPLAYED = tracer._zero3_gathered
+REPLAYED = tracer.zero3_gathered
 
 
 def _traced_events(model: dict, *, precision: Precision, seq: int, monkeypatch: pytest.MonkeyPatch) -> list:
@@ -59,7 +59,7 @@ def _traced_events(model: dict, *, precision: Precision, seq: int, monkeypatch: 
         seen.extend(tracker.module_events)
         return REPLAYED(model, modules, tracker, model_spec)
 
-    monkeypatch.setattr(tracer, "_zero3_gathered", keep)
+    monkeypatch.setattr(tracer, "zero3_gathered", keep)
     result = tracer.trace(model_spec={**model, ZERO3_RUN: True}, checkpointing="full", precision=precision,
                           micro_batch=1, sequence_length=seq)
     assert isinstance(result, tracer.TraceResult), result
