@@ -109,6 +109,10 @@ class Grid:
         return self.feasible(entry) and entry["tokens_per_s"] >= TARGET * self.best_tokens_per_s
 
 
+class NothingFeasible(ValueError):
+    """No candidate of the grid fits the budget: there is no best to find."""
+
+
 def load_grid(path: Path, *, budget_bytes: int | None = None, probe: bool = True) -> Grid:
     """The grid and its ground truth, at the study's per-rank budget or at ``budget_bytes`` (the measurements
     do not depend on the budget: only what counts as an OOM and which candidates fit), with the probe recorded
@@ -122,8 +126,13 @@ def load_grid(path: Path, *, budget_bytes: int | None = None, probe: bool = True
         spec = replace(spec, hardware=replace(spec.hardware, gpu_memory_bytes=budget_bytes))
     entries = {e["label"]: e for e in data["candidates"]}
     grid = Grid(spec=spec, entries=entries, best_tokens_per_s=0.0)
-    best = max(e["tokens_per_s"] for e in entries.values() if grid.feasible(e))
-    return Grid(spec=spec, entries=entries, best_tokens_per_s=best)
+    feasible = [e["tokens_per_s"] for e in entries.values() if grid.feasible(e)]
+    if not feasible:
+        peaks = [e["measured_peak_bytes"] for e in entries.values() if e.get("measured_peak_bytes")]
+        raise NothingFeasible(f"{path}: no candidate fits {spec.hardware.gpu_memory_bytes / 1e6:g} MB per rank "
+                              f"(the smallest measured peak is {min(peaks, default=0) / 1e6:g} MB): nothing to "
+                              "search for")
+    return Grid(spec=spec, entries=entries, best_tokens_per_s=max(feasible))
 
 
 @dataclass
@@ -375,8 +384,12 @@ def main() -> int:
     budgets = [parse_bytes(text) for text in args.budget] if args.budget else [None]
     for path in args.grid:
         for budget in budgets:
-            report(Path(path), seeds=args.seeds, budget_bytes=budget, strategies=args.strategy,
-                   probe=not args.without_probe)
+            try:
+                report(Path(path), seeds=args.seeds, budget_bytes=budget, strategies=args.strategy,
+                       probe=not args.without_probe)
+            except NothingFeasible as error:
+                print(f"search_efficiency.py: {error}", file=sys.stderr)
+                return 2
     return 0
 
 

@@ -128,3 +128,12 @@ def test_a_grid_replays_with_the_probe_recorded_beside_it_unless_told_not_to(ben
     assert bench.load_grid(path).spec.hardware.probe == probe
     assert "probe 2026-12-06" in profile_rates(hardware=bench.load_grid(path).spec.hardware).source
     assert bench.load_grid(path, probe=False).spec.hardware.probe is None
+
+
+def test_a_budget_no_candidate_fits_is_one_clear_error(bench, capsys, monkeypatch):
+    # the wide QLoRA grid's runs all peak at dsopt's own init (6.9-9.1 MB): nothing fits its 4 MB
+    with pytest.raises(bench.NothingFeasible, match="no candidate fits 4 MB per rank"):
+        bench.load_grid(ROOT / "benchmarks" / "data" / "grid-qlora-wide-cpu.json")
+    monkeypatch.setattr(sys, "argv", ["search_efficiency.py", "--grid", str(GRID), "--budget", "1 kB", "--seeds", "1"])
+    assert bench.main() == 2
+    assert "nothing to search for" in capsys.readouterr().err
