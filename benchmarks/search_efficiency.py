@@ -18,13 +18,8 @@ Strategies:
   value of a launch), the enqueued seeds, every 3rd proposal left to TPE; the launches are replaced by
   look-ups (its ``runner``, which returns the recorded measurement: the study itself judges it against the
   budget), everything else is the real code, on a SQLite storage. Its progress lines are not printed.
-* **autotuner** — DeepSpeed's Autotuner walk as its source implements it (deepspeed/autotuning/autotuner.py:
-  tune, tune_space, get_min_max_micro_batch_size, get_tuning_micro_batch_size_list): ZeRO stages in order;
-  per stage the maximum micro-batch from its memory model ((budget − Adam model states of the stage) //
-  forward activation memory at micro-batch 1), a probe of the minimum micro-batch, then of ~1.05×, 1×,
-  0.95× the maximum, a binary search if none runs, then the top micro-batches; a stage is skipped when its
-  computed maximum is below the previous stage's. It tunes neither offload nor precision nor checkpointing
-  (the baseline's are used), with a fixed global batch and the space's micro-batch values. One run.
+* **autotuner** — DeepSpeed's Autotuner walk (benchmarks/autotuner_walk.py): ZeRO stages in order and the
+  micro-batch by its memory model; neither offload nor precision nor checkpointing. One run.
 * **tpe** — Optuna's TPE over the same conditional space with no ledger: every sample is launched.
 * **random** — the valid candidates in a random order.
 
@@ -50,25 +45,24 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import optuna
 
 from launchers.study.study_run import run_study
 from launchers.trace.inventory import adapted_inventory
 from launchers.trace.study_traces import with_traced_activations
 from optimizer.ledger.core import evaluate
-from optimizer.ledger.transformer import activation_estimate, parameter_count
 from optimizer.perf.throughput import StepTime, predict, profile_rates, work
 from optimizer.results.trial_result import Outcome, RankMeasurement, TrialResult
 from optimizer.search.ordering import candidate_of, study_models
 from optimizer.search.space import branches, sample_candidate
-from optimizer.study.knobs import Candidate, Precision, ZeroStage, parse_knob
+from optimizer.study.knobs import Candidate, Precision
 from optimizer.study.machine_probe import MachineProbe
 from optimizer.study.specs import baseline_candidate
 from optimizer.study.study_file import StudySpec, load_study
 from optimizer.study.units import parse_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks/ beside the packages
+from benchmarks.autotuner_walk import autotuner_walk
 from benchmarks.rank_correlation import spearman
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -261,91 +255,15 @@ def run_tpe(grid: Grid, seed: int) -> Run:
 
 
 def run_autotuner(grid: Grid) -> Run:
-    """DeepSpeed's Autotuner walk (module doc), launching through the grid."""
-    spec = grid.spec
-    base = baseline_candidate(spec.training)
-    allowed = sorted(int(m) for m in dict(spec.search_space.values).get("micro_batch_size", (base.micro_batch_size,)))
-    stages = sorted(int(s) for s in dict(spec.search_space.values).get("zero_stage", (base.zero_stage,)))
-    psi = parameter_count(spec.model)
-    ranks = spec.hardware.world_size
-    budget = spec.hardware.gpu_memory_bytes
-    fp16 = base.precision is not Precision.FP32
-    # Forward-only activation profile at micro-batch 1, no checkpointing (the Autotuner's model-info run).
-    act = activation_estimate(spec.model, checkpointing=parse_knob("checkpointing", "none"),
-                              seq=spec.training.sequence_length, micro_batch=1, element_bytes=2 if fp16 else 4)
-    act_bytes = max(1, act.stored_bytes)
+    """DeepSpeed's Autotuner walk (module doc, benchmarks/autotuner_walk.py), launching through the grid."""
     run = Run(launched=[])
-    results: dict[int, dict[int, float]] = {}
 
-    def launch(stage: int, mbs: int) -> float:
-        candidate = parse_candidate(base, stage, mbs)
-        if evaluate(candidate=candidate, model=spec.model, hardware=spec.hardware,
-                    training=spec.training).ledger is None:
-            return 0.0
+    def launch(candidate: Candidate) -> float:
         entry = run.launch(grid, candidate.label())
-        value = entry["tokens_per_s"] if _fits(grid, entry) else 0.0
-        results.setdefault(stage, {})[mbs] = value
-        return value
+        return entry["tokens_per_s"] if _fits(grid, entry) else 0.0
 
-    def listed_at_most(value: int) -> int | None:
-        fitting = [m for m in allowed if m <= value]
-        return max(fitting) if fitting else None
-
-    prev_max = 0
-    for stage in stages:
-        params = psi * (2 if fp16 else 4)
-        grads = psi * (2 if fp16 else 4)
-        optim = psi * (16 if fp16 else 8)
-        if stage >= 1:
-            optim /= ranks
-        if stage >= 2:
-            grads /= ranks
-        if stage >= 3:
-            params /= ranks
-        calc_max = int(budget - (params + grads + optim)) // act_bytes
-        if calc_max < prev_max:
-            continue
-        if not launch(stage, allowed[0]):
-            continue
-        top = listed_at_most(min(calc_max, allowed[-1]))
-        found = None
-        for probe in (int(np.ceil(1.05 * (top or 0))), top or 0, int(0.95 * (top or 0))):
-            probe = listed_at_most(probe) if probe else None
-            if probe is None:
-                continue
-            if probe in results.get(stage, {}):
-                found = probe if results[stage][probe] else None
-                if found:
-                    break
-                continue
-            if launch(stage, probe):
-                found = probe
-                break
-        if found is None:  # binary search for the largest micro-batch that runs
-            low, high = 0, allowed.index(top) if top in allowed else 0
-            while low <= high:
-                mid = (low + high) // 2
-                value = results.get(stage, {}).get(allowed[mid])
-                if value is None:
-                    value = launch(stage, allowed[mid])
-                if value:
-                    found, low = allowed[mid], mid + 1
-                else:
-                    high = mid - 1
-        if found is None:
-            continue
-        prev_max = max(prev_max, found)
-        # get_tuning_micro_batch_size_list: sizes from max/2 to max (3 of them)
-        for mbs in [m for m in allowed if found // 2 <= m <= found]:
-            if mbs not in results.get(stage, {}):
-                launch(stage, mbs)
-        if run.reached_at is not None:
-            break
+    autotuner_walk(grid.spec, run=launch, reached=lambda: run.reached_at is not None)
     return run
-
-
-def parse_candidate(base: Candidate, stage: int, mbs: int) -> Candidate:
-    return replace(base, zero_stage=ZeroStage(stage), micro_batch_size=mbs)
 
 
 def summarize(name: str, runs: list[Run], grid: Grid) -> str:

@@ -4,6 +4,7 @@ past a release (4-bit weights bitsandbytes' matmul kept), joined with the trace'
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -34,6 +35,13 @@ def zero3_gathered(model: nn.Module, modules: list[nn.Module], tracker: Any,
     weights = [n * (storage if is_four_bit(p) else p.element_size()) for n, p in zip(numel, params, strict=True)]
     frozen = [i for i, p in enumerate(params) if not p.requires_grad]  # a recomputation holds these (zero3_gather)
     settings = gather_settings(int(model_spec["hidden_size"]))
+    if model_spec.get("reference_model") and model_spec.get("peft"):
+        # The policy runs forward twice a micro-step, the second with its adapters disabled as the reference
+        # (launchers/models/reference.py). DeepSpeed resets its coordinator's step at every forward of the engine's
+        # module (parameter_offload.py:303-306), so the trace it records is the first forward's alone, and the second
+        # does not follow it and invalidates it (partitioned_param_coordinator.py:202-219) — every micro-step,
+        # measured: nothing is prefetched and each module's parameters are released after it runs (:498-499)
+        settings = replace(settings, prefetch_bucket=0, max_reuse_distance=0)
     most, turn = gathered(events=events, module_params=module_params, param_numel=numel, settings=settings,
                           frozen=frozen)
     # the coalesced buffers, in a later step or in the first prefetching one (it gathers the persistent tensors too,

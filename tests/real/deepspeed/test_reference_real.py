@@ -33,12 +33,14 @@ def _study(folder: Path, name: str):
 
 
 @pytest.mark.parametrize(("name", "knobs", "bound"), [
-    # measured in the recorded grids: −1.4 %, −2.2 %, −0.0 % (ZeRO-3 without checkpointing: bf16 with full
+    # measured in the recorded grids: −1.4 %, −2.2 % (ZeRO-3 without checkpointing: bf16 with full
     # checkpointing at ZeRO-3 under-predicts by 2-5 % with or without a reference, −3.7 % here — docs/ledger.md,
     # "Still off at ZeRO-3" — a gap of its own, not the reference's)
     ("grid-reference-llama-cpu", {"zero_stage": 1, "precision": "bf16", "checkpointing": "full"}, 0.02),
     ("grid-reference-llama-cpu", {"zero_stage": 3, "precision": "bf16"}, 0.04),
-    ("grid-reference-lora-llama-cpu", {"zero_stage": 0, "precision": "fp32"}, 0.01),
+    # PEFT's adapter-disabled base as the reference at ZeRO-3: the policy's second forward invalidates DeepSpeed's
+    # trace every micro-step, so nothing is prefetched (launchers/trace/zero3_held.py): −0.0 %, +13 % before
+    ("grid-reference-lora-llama-cpu", {"zero_stage": 3, "precision": "fp32"}, 0.03),
 ])
 def test_a_run_with_a_reference_meets_the_ledger(tmp_path, name, knobs, bound):
     study = _study(tmp_path, name)
