@@ -300,15 +300,16 @@ def main() -> int:
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     budgets = [parse_bytes(text) for text in args.budget] if args.budget else [None]
+    code = 0
     for path in args.grid:
         for budget in budgets:
             try:
                 report(Path(path), seeds=args.seeds, budget_bytes=budget, strategies=args.strategy,
                        probe=not args.without_probe)
-            except NothingFeasible as error:
+            except NothingFeasible as error:  # the other budgets and grids are still reported
                 print(f"search_efficiency.py: {error}", file=sys.stderr)
-                return 2
-    return 0
+                code = 2
+    return code
 
 
 def report(path: Path, *, seeds: int, budget_bytes: int | None, strategies: list[str], probe: bool = True) -> None:

@@ -24,12 +24,12 @@ if TYPE_CHECKING:
     from torch import nn
 
 FOUR_BIT_TAG = "dsopt_four_bit"
+"""Attribute set on a parameter that transformers' quantizer turns 4-bit."""
 HELD_TAG = "dsopt_held_by_autograd"
 """Set on a 4-bit weight whose matmul kept it for backward in a forward outside backward (the trace's
 :func:`emulate_four_bit_matmuls`): ``MatMul4Bit`` keeps it as a node attribute when an input needs a gradient
 (bitsandbytes 0.50.2 ``autograd/_functions.py:357-358``), which ZeRO-3's release does not free
 (:mod:`optimizer.deepspeed.zero3_gather`)."""
-"""Attribute set on a parameter that transformers' quantizer turns 4-bit."""
 
 
 def _transformers_model(model: nn.Module) -> nn.Module:

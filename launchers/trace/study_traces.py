@@ -43,8 +43,8 @@ TRACE_CODE = ("launchers.trace.tracer", "launchers.trace.trace_depth", "launcher
               "launchers.trace.zero3_events", "launchers.trace.zero3_held", "launchers.trace.cpu_kernels")
 """dsopt's modules that make a whole-model trace (the tracer, the depth extension, the models it builds, the
 ZeRO-3 replay): their source is in every key, so an edit of any of them traces again."""
-ENTRY_FORMAT = 1
-"""Bumped when a cache entry's layout (``{"ok", "result"}``) changes."""
+ENTRY_FORMAT = 2
+"""Bumped when a cache entry's layout (``{"ok", "result"}``) changes (2: ``zero3_joint_segments`` of four)."""
 _RESULT_FIELDS = ("parameters", "activation_peak_bytes", "peak_phase", "stored_bytes", "blocks_stored_bytes",
                   "joint_segments", "ungraded_segments", "graded_segments", "notes", "zero3_gathered_elements",
                   "zero3_joint_segments")

@@ -17,7 +17,7 @@ from optimizer.study.quantization_section import STORAGE_BYTES
 
 
 def zero3_gathered(model: nn.Module, modules: list[nn.Module], tracker: Any,
-                    model_spec: dict[str, Any]) -> tuple[int, int, tuple[tuple[int, int, int, int], ...], int]:
+                   model_spec: dict[str, Any]) -> tuple[int, int, tuple[tuple[int, int, int, int], ...], int]:
     """(most, after forward) parameter elements ZeRO-3 keeps gathered over this traced step, with the sizes
     dsopt sets for the model (:mod:`optimizer.deepspeed.zero3_gather`), the joint peak of the activations and
     the gathered bytes per stretch (:attr:`launchers.trace.tracer.TraceResult.zero3_joint_segments`), and the bytes
@@ -60,7 +60,7 @@ def zero3_gathered(model: nn.Module, modules: list[nn.Module], tracker: Any,
 
 
 def zero3_joint(held: list[int], buffered: list[int], copies: list[int], marks: dict[tuple[int, int], int],
-                 stretches: int) -> tuple[tuple[int, int, int, int], ...]:
+                stretches: int) -> tuple[tuple[int, int, int, int], ...]:
     """Per stretch, (activations, gathered bytes, buffered bytes, autograd's copies) where their sum peaked
     (:attr:`launchers.trace.tracer.TraceResult.zero3_joint_segments`): ``held[i]``, ``buffered[i]`` and
     ``copies[i]`` are what is gathered or kept from module event ``i`` to the next (DeepSpeed fetches at a

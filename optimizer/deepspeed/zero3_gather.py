@@ -43,11 +43,12 @@ A bitsandbytes 4-bit layer's weight outlives its release. ``MatMul4Bit.forward``
 attribute of the autograd node, not a saved tensor, so backward does not free it: it lives as long as the node, i.e.
 as long as anything holds the step's graph. ZeRO-3 releases a parameter by pointing ``param.data`` at an empty
 tensor (``partition_parameters.py:329``), which leaves that view's storage alive. So (``autograd_held``): once such
-a weight was used in forward, every release of it leaves its forward copy behind until the step ends, and a
-re-gather in backward is a second copy; and (``previous_graph``) a loop that keeps the last micro-step's ``loss``
-while the next forward runs (``loss = engine(batch)``, DeepSpeed's own examples and dsopt's trial) holds the
-previous micro-step's copies of all of them through that forward — ZeRO-3 released every parameter after the
-previous backward (``release_and_reset_all``), so they are copies apart from this step's gathers. Measured on 2 CPU
+a weight was used in forward, its first release after that use leaves its forward copy behind until the step ends,
+and a re-gather in backward is a second copy; and (``previous_graph``) a loop that keeps the last micro-step's
+``loss`` while the next forward runs (``loss = engine(batch)``, DeepSpeed's own examples and dsopt's trial) holds
+the previous micro-step's copies of all of them until that forward returns (the model's own forward ends) — ZeRO-3
+released every parameter after the previous backward (``release_and_reset_all``), so they are copies apart from this
+step's gathers. Measured on 2 CPU
 ranks (the 4096-wide QLoRA Llama, ZeRO-3 bf16): dropping ``loss`` after ``backward`` lowers the training peak by
 767 kB, its six MLP weights' packed bytes (786 kB).
 
@@ -102,7 +103,7 @@ def autograd_copies(*, events: Sequence[tuple[str, int]], module_params: Sequenc
     ZeRO-3's release (module doc) — on top of what the coordinator holds gathered, and not bounded by its
     ``max_live``: ``held`` the parameters whose forward copy autograd keeps until the step's graph is freed (a
     4-bit weight whose matmul kept it); each one's forward copy once released, and with ``previous_graph`` the
-    previous micro-step's copies of all of them until backward begins."""
+    previous micro-step's copies of all of them until the model's forward returns (the first event's module ends)."""
     return _replay(events=events, module_params=module_params, param_numel=param_numel, settings=settings,
                    weights=weights, frozen=frozen, autograd_held=held, previous_graph=previous_graph)[1]
 
@@ -138,6 +139,7 @@ def _replay(*, events: Sequence[tuple[str, int]], module_params: Sequence[Sequen
     in_node: set[int] = set()  # held parameters whose forward copy autograd keeps (used in forward, not yet released)
     orphaned = 0  # bytes of released forward copies that autograd keeps
     previous = sum(weight[p] for p in held) if previous_graph else 0  # the last micro-step's copies
+    outer = events[0][1] if events else None  # the model: its forward returning into ``loss`` frees the old graph
 
     def gather(params: set[int]) -> None:
         nonlocal n_available, weighed
@@ -150,7 +152,7 @@ def _replay(*, events: Sequence[tuple[str, int]], module_params: Sequence[Sequen
         own = set(module_params[m])
         if kind == "backward_pre":
             active.setdefault(m)
-            previous = 0  # forward returned into ``loss``: the previous graph is freed
+            previous = 0
         if kind == "forward_pre" and not active:
             in_node |= own & held
         if kind in PRE:
@@ -215,6 +217,8 @@ def _replay(*, events: Sequence[tuple[str, int]], module_params: Sequence[Sequen
                 if p in in_node:  # its storage lives on in the autograd node
                     in_node.discard(p)
                     orphaned += weight[p]
+        if kind == "forward_post" and m == outer and not active:
+            previous = 0  # forward returned into ``loss``: the previous graph is freed
         after.append(weighed + (sum(flat.values()) if buffers else 0))
         copies.append(orphaned + previous)
     return after, copies

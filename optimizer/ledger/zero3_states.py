@@ -91,8 +91,8 @@ def _stage3(z: _Sizes, candidate: Candidate, settings: ZeroSettings, *, replayed
                   f"{DS} partitioned_param_coordinator.py:420-476, 634-665 (optimizer/deepspeed/zero3_gather.py)",
                   Phase.BACKWARD),
             _grad_of_module(z)]
-        if autograd_bytes or autograd_held:
-            released = min(max(0, joint_bytes - cap), autograd_held)  # over max_live, released: autograd keeps them
+        released = min(max(0, joint_bytes - cap), autograd_held)  # over max_live, released: autograd keeps them
+        if autograd_bytes + released:
             items.append(_item("released 4-bit weights bitsandbytes' matmul still holds (this micro-step's and, while "
                                "the loop keeps its last loss, the previous one's)", Category.BUFFERS, Location.GPU,
                                autograd_bytes + released, "traced: packed bytes" + (

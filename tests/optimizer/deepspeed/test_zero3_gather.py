@@ -139,10 +139,11 @@ def test_a_weight_autograd_keeps_outlives_its_release_until_the_step_ends():
 
 
 def test_a_loop_that_keeps_the_last_loss_holds_the_previous_micro_steps_copies_through_forward():
-    # previous_graph: the previous micro-step's forward copies of a and c (200) until backward begins (event 8)
+    # previous_graph: the previous micro-step's forward copies of a and c (200) until the model's forward returns
+    # (r's forward_post, event 7: ``loss = engine(batch)`` then drops the old graph)
     difference = [x - y for x, y in zip(_copies(_settings(0), [0, 2], previous=True), _copies(_settings(0), [0, 2]),
                                          strict=True)]
-    assert difference == [200] * 8 + [0] * 8
+    assert difference == [200] * 7 + [0] * 9
 
 
 def test_a_weight_kept_gathered_across_the_turn_is_one_copy_and_a_persistent_one_never_counts():
