@@ -94,7 +94,8 @@ def extrapolate(shallow: Any, deeper: Any, *, depths: tuple[int, int], layers: i
                           tuple(s[:2] for s in deeper.zero3_joint_segments), depths=depths, line=line)
         kept = _segments(tuple(s[2:3] for s in shallow.zero3_joint_segments),
                          tuple(s[2:3] for s in deeper.zero3_joint_segments), depths=depths, line=lambda _, b: b)
-        # autograd's copies (4-bit weights kept past their release) grow with the depth: extended as the rest
+        # autograd's copies (4-bit weights kept past their release) and a reference copy's gathers grow with the depth:
+        # extended as the rest
         copies = _segments(tuple(s[3:] for s in shallow.zero3_joint_segments),
                            tuple(s[3:] for s in deeper.zero3_joint_segments), depths=depths, line=line)
         out["zero3_joint_segments"] = tuple((*pair, *buffers, *extra)

@@ -36,7 +36,7 @@ from launchers.models.reference import anchored, freeze_all, frozen_copy_spec, r
 from launchers.models.zero3_linear import deepspeed_linear
 from launchers.trace.cpu_kernels import cpu_promotion_copies
 from launchers.trace.zero3_events import deepspeed_module_events
-from launchers.trace.zero3_held import zero3_gathered
+from launchers.trace.zero3_held import traced_modules, zero3_gathered
 from optimizer.study.knobs import Precision
 from optimizer.study.traced_activation import ADAPTERS_CAST, CPU_KERNELS, ZERO3_RUN
 
@@ -92,10 +92,11 @@ class TraceResult:
     """Bytes of the non-persistent 4-bit weights bitsandbytes' matmul kept for backward in this step
     (:func:`optimizer.deepspeed.zero3_gather.autograd_copies`): what autograd keeps of them whatever ZeRO-3
     releases."""
-    zero3_joint_segments: tuple[tuple[int, int, int, int], ...] = ()
+    zero3_joint_segments: tuple[tuple[int, int, int, int, int], ...] = ()
     """(activations + temporaries, bytes of parameters ZeRO-3 holds gathered — each in its own dtype —, bytes of the
     coalesced prefetch buffers that outlive their wait, bytes of released parameters autograd still holds —
-    :func:`optimizer.deepspeed.zero3_gather.autograd_copies`: 4-bit weights bitsandbytes' matmul kept —) where
+    :func:`optimizer.deepspeed.zero3_gather.autograd_copies`: 4-bit weights bitsandbytes' matmul kept —, bytes a
+    frozen reference copy's own coordinator holds — :func:`launchers.trace.zero3_held.reference_held`) where
     their sum peaked, per stretch as ``joint_segments``:
     the coordinator replayed over the traced module order gives what is gathered between two module events, the
     trace what is live then. With full checkpointing the two peak apart (the gathers at the turn to backward, the
@@ -318,7 +319,8 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
             tracker = _tracker(blocks)
             tracker.track_external(model)
             by_op = _kept_by_op_mode([*model.parameters(), *model.buffers(), tokens])
-            with tracker, deepspeed_module_events(modules if events else [], tracker.note), \
+            with tracker, deepspeed_module_events(traced_modules(model, reference, model_spec) if events else [],
+                                                  tracker.note), \
                     deepspeed_linear() if zero3 else contextlib.nullcontext(), \
                     cpu_promotion_copies(bool(model_spec.get(CPU_KERNELS))):
                 with by_op:
@@ -334,7 +336,8 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
         return _failure(err)
     params = [p for p in model.parameters() if p.requires_grad]
     own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
-    gathered, gathered_turn, zero3_joint, autograd_held = zero3_gathered(model, modules, tracker, model_spec)
+    gathered, gathered_turn, zero3_joint, autograd_held = zero3_gathered(model, modules, tracker, model_spec,
+                                                                         reference=reference)
     return TraceResult(parameters=sum(p.numel() for p in params), largest_module_parameters=max(own, default=0),
                        activation_peak_bytes=tracker.working_peak, peak_phase=tracker.working_phase,
                        stored_bytes=stored, blocks_stored_bytes=blocks_stored,

@@ -237,7 +237,8 @@ def transformer_items(
     items += held_items(z, candidate)
     if traced is None:  # a trace holds the dequantized weights where they happen (launchers/models/four_bit.py)
         items += dequantized_items(model, candidate, split=split)
-    items += reference_items(z, candidate, settings, model)
+    items += reference_items(z, candidate, settings, model,
+                             joint_bytes=zero3_joint[3] if zero3_joint is not None else None)
     items += activation_items(model=model, candidate=candidate, sequence_length=training.sequence_length,
                               element_bytes=z.g, joined=joined, split=split,
                               zero3_joint=zero3_joint is not None)

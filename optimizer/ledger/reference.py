@@ -28,9 +28,11 @@ TRL = "TRL 1.16 trl/models/utils.py prepare_deepspeed; trl/trainer/dpo_trainer.p
 
 
 def reference_items(z: _Sizes, candidate: Candidate, settings: ZeroSettings,
-                    model: TransformerModel) -> list[LedgerItem]:
+                    model: TransformerModel, *, joint_bytes: int | None = None) -> list[LedgerItem]:
     """The frozen reference copy's per-rank items (module doc); none without ``training.reference_model`` or with
-    ``model.peft`` (no copy)."""
+    ``model.peft`` (no copy). ``joint_bytes``: at ZeRO-3, what the copy's own coordinator, replayed over its traced
+    forward, holds gathered at the moment the activations and every gathered parameter together peak
+    (:meth:`optimizer.study.traced_activation.TracedActivation.zero3_joint_at`; None: not traced)."""
     if not model.reference_model or model.peft is not None:
         return []
     g, prec = z.g, candidate.precision
@@ -46,11 +48,21 @@ def reference_items(z: _Sizes, candidate: Candidate, settings: ZeroSettings,
         items.append(_item("reference model: parameter swap buffers", Category.BUFFERS, Location.HOST,
                            DEEPSPEED_PARAM_SWAP_BUFFERS * DEEPSPEED_PARAM_SWAP_BUFFER_ELEMENTS * g, f"5·1e8·{g}",
                            f"{DS} swap_tensor/partitioned_param_swapper.py:104-127"))
-    if z.n > 1 or param is not OffloadDevice.NONE:
-        # Its forward fetches module by module and prefetches up to the bucket (capped by max_live): at most the
-        # model, while the policy's activations are held (its forward runs after the policy's).
-        gathered = min(z.psi, settings.prefetch_bucket_elements + z.largest_module,
-                       settings.max_live_parameters + z.largest_module)
+    cap = settings.max_live_parameters + z.largest_module
+    if (z.n > 1 or param is not OffloadDevice.NONE) and joint_bytes is not None:
+        # Its own coordinator, whose trace is its forward alone: the prefetch front runs ahead of the modules and
+        # what it fetched is held until its module runs (launchers/trace/zero3_held.py reference_held, measured)
+        if joint_bytes:
+            items.append(_item("reference model: parameters gathered or in flight where they, the policy's and the "
+                               "activations together peak (its coordinator replayed over its traced forward)",
+                               Category.BUFFERS, Location.GPU, min(joint_bytes, g * cap),
+                               "traced: each tensor in its own dtype",
+                               f"{DS} partitioned_param_coordinator.py:420-476, 634-665 "
+                               "(optimizer/deepspeed/zero3_gather.py)", Phase.BACKWARD))
+    elif z.n > 1 or param is not OffloadDevice.NONE:
+        # Not traced: its forward fetches module by module and prefetches up to the bucket (capped by max_live): at
+        # most the model, while the policy's activations are held (its forward runs after the policy's).
+        gathered = min(z.psi, settings.prefetch_bucket_elements + z.largest_module, cap)
         items.append(_item("reference model: parameters gathered for its forward", Category.BUFFERS, Location.GPU,
                            g * gathered, f"{g}·min(Ψ, prefetch + LL, max_live + LL)",
                            f"{DS} partitioned_param_coordinator.py:420-476", Phase.BACKWARD))

@@ -53,11 +53,11 @@ class TracedActivation:
     zero3_gathered: int = 0
     """The most parameter elements ZeRO-3 keeps gathered at once, DeepSpeed's coordinator replayed over the
     traced module order (:mod:`optimizer.deepspeed.zero3_gather`); 0 when not traced."""
-    zero3_joint_points: tuple[tuple[int, int, int, int], ...] = ()
+    zero3_joint_points: tuple[tuple[int, int, int, int, int], ...] = ()
     """(micro-batch, activations + temporaries, bytes of parameters ZeRO-3 holds gathered, bytes of released
-    parameters autograd still holds — 4-bit weights bitsandbytes' matmul kept, :mod:`optimizer.deepspeed.zero3_gather`)
-    at the moment their sum peaked (:attr:`launchers.trace.tracer.TraceResult.zero3_joint_segments`); empty when not
-    traced."""
+    parameters autograd still holds — 4-bit weights bitsandbytes' matmul kept, :mod:`optimizer.deepspeed.zero3_gather`
+    —, bytes a frozen reference copy's own coordinator holds gathered) at the moment their sum peaked
+    (:attr:`launchers.trace.tracer.TraceResult.zero3_joint_segments`); empty when not traced."""
     zero3_autograd_held: int = 0
     """Bytes of the 4-bit weights bitsandbytes' matmul keeps for backward, whatever ZeRO-3 releases
     (:attr:`launchers.trace.tracer.TraceResult.zero3_autograd_held_bytes`); 0 when none or not traced."""
@@ -74,7 +74,8 @@ class TracedActivation:
         object.__setattr__(self, "split_points",
                            tuple(sorted((int(b), int(u), int(g)) for b, u, g in self.split_points)))
         object.__setattr__(self, "zero3_joint_points",
-                           tuple(sorted((int(b), int(w), int(g), int(k)) for b, w, g, k in self.zero3_joint_points)))
+                           tuple(sorted((int(b), int(w), int(g), int(k), int(r))
+                                        for b, w, g, k, r in self.zero3_joint_points)))
         object.__setattr__(self, "notes", tuple(str(n) for n in self.notes))
         if self.failed_op is None and not self.points:
             raise ValueError("a traced activation needs at least one (micro-batch, bytes) point")
@@ -101,13 +102,13 @@ class TracedActivation:
         return (_joined(tuple((b, u) for b, u, _ in self.split_points), micro_batch),
                 _joined(tuple((b, g) for b, _, g in self.split_points), micro_batch))
 
-    def zero3_joint_at(self, micro_batch: int) -> tuple[int, int, int] | None:
-        """(activations, gathered parameter bytes, autograd's copies) where their sum peaks for ``micro_batch``
-        samples, as :meth:`bytes_at` joins points; None without ZeRO-3 joint points."""
+    def zero3_joint_at(self, micro_batch: int) -> tuple[int, int, int, int] | None:
+        """(activations, gathered parameter bytes, autograd's copies, a reference copy's gathered bytes) where their
+        sum peaks for ``micro_batch`` samples, as :meth:`bytes_at` joins points; None without ZeRO-3 joint points."""
         if not self.zero3_joint_points:
             return None
         return tuple(_joined(tuple((point[0], point[i]) for point in self.zero3_joint_points), micro_batch)
-                     for i in (1, 2, 3))  # type: ignore[return-value]
+                     for i in (1, 2, 3, 4))  # type: ignore[return-value]
 
 def _joined(points: tuple[tuple[int, int], ...], micro_batch: int) -> int:
     """The value at ``micro_batch``: a traced point's, else the line through the nearest two (one point: in

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from optimizer.deepspeed.zero_settings import zero_settings
 from optimizer.ledger.core import compute_ledger
 from optimizer.ledger.items import Category, Location, Phase
-from optimizer.study.knobs import Precision, with_knobs
+from optimizer.ledger.state_sizes import _sizes
+from optimizer.study.knobs import Precision, ZeroStage, with_knobs
 from optimizer.study.specs import ActivationSource, baseline_candidate
 from optimizer.study.study_file import load_study
 from optimizer.study.traced_activation import TracedActivation
@@ -29,13 +31,15 @@ KEPT = "released 4-bit weights bitsandbytes' matmul still holds (this micro-step
 
 
 def _study(*, joint: bool = True, gpus: int = 2, copies: dict[int, int] | None = None, held: int = 0,
-           gathered: dict[int, int] | None = None):
+           gathered: dict[int, int] | None = None, reference: dict[int, int] | None = None):
     study = load_study(ROOT / "studies" / "grid-cpu.yaml")
-    points = tuple((b, w, (gathered or {}).get(b, g), (copies or {}).get(b, 0)) for b, (w, g) in JOINT.items())
+    points = tuple((b, w, (gathered or {}).get(b, g), (copies or {}).get(b, 0), (reference or {}).get(b, 0))
+                   for b, (w, g) in JOINT.items())
     entry = TracedActivation(checkpointing="full", precision=Precision.FP32, points=tuple(PEAK.items()),
                              zero3_gathered=MOST, zero3_autograd_held=held,
                              zero3_joint_points=points if joint else ())
-    model = dataclasses.replace(study.model, activations=ActivationSource.TRACE, traced_activations=(entry,))
+    model = dataclasses.replace(study.model, activations=ActivationSource.TRACE, traced_activations=(entry,),
+                                reference_model=reference is not None)
     hardware = dataclasses.replace(study.hardware, gpus_per_node=gpus)
     training = dataclasses.replace(study.training, global_batch_size=4 * gpus)
     return dataclasses.replace(study, model=model, hardware=hardware, training=training)
@@ -60,8 +64,8 @@ def test_the_gathered_parameters_and_the_activations_are_booked_at_the_moment_th
 
 def test_between_traced_micro_batches_the_pair_is_joined_as_the_activations_are():
     entry = _study().model.traced_activations[0]
-    assert entry.zero3_joint_at(3) == (1_225_000, 44_000, 0)
-    assert entry.zero3_joint_at(2) == (*JOINT[2], 0)
+    assert entry.zero3_joint_at(3) == (1_225_000, 44_000, 0, 0)
+    assert entry.zero3_joint_at(2) == (*JOINT[2], 0, 0)
 
 
 def test_the_4_bit_weights_autograd_keeps_are_a_line_of_their_own_and_what_max_live_releases_stays():
@@ -88,3 +92,27 @@ def test_one_rank_gathers_views_so_the_high_water_mark_stands_alone():
     lines = _lines(_study(gpus=1), 2)
     assert lines == {"parameters gathered (one rank: views of the partition, no copy)": 0,
                      "activations, traced high-water mark (full, backward)": PEAK[2]}
+
+
+REFERENCE = "reference model: parameters gathered or in flight where they, the policy's and the activations together " \
+    "peak (its coordinator replayed over its traced forward)"
+FORMULA = "reference model: parameters gathered for its forward"
+
+
+def test_a_reference_copys_own_gathers_are_booked_at_the_same_moment_and_capped_by_its_max_live():
+    # the copy's coordinator replayed over its traced forward (launchers/trace/zero3_held.reference_held): what it
+    # holds at the moment everything together peaked, instead of one prefetch bucket and the largest module
+    lines = _lines(_study(reference={2: 30_000, 4: 36_000}), 2)
+    assert lines[REFERENCE] == 30_000 and FORMULA not in lines
+    assert lines["activations where they and ZeRO-3's gathered parameters peak (full)"] == JOINT[2][0]
+    study = _study(reference={2: 10**15, 4: 10**15})  # a traced depth over the copy's max_live
+    candidate = with_knobs(baseline_candidate(study.training), {"zero_stage": 3, "checkpointing": "full",
+                                                                 "micro_batch_size": 2})
+    settings = zero_settings(model=study.model, stage=ZeroStage.PARAMETERS)
+    z = _sizes(model=study.model, candidate=candidate, hardware=study.hardware, training=study.training,
+               settings=settings)
+    assert _lines(study, 2)[REFERENCE] == 4 * (settings.max_live_parameters + z.largest_module)
+    # at the joint moment the copy held nothing: no line of it; not traced: the formula's line
+    assert REFERENCE not in _lines(_study(reference={2: 0, 4: 0}), 2)
+    untraced = _lines(_study(joint=False, reference={}), 2)
+    assert FORMULA in untraced and REFERENCE not in untraced

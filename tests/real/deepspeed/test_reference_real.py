@@ -33,11 +33,11 @@ def _study(folder: Path, name: str):
 
 
 @pytest.mark.parametrize(("name", "knobs", "bound"), [
-    # measured in the recorded grids: −1.4 %, −2.2 % (ZeRO-3 without checkpointing: bf16 with full
-    # checkpointing at ZeRO-3 under-predicts by 2-5 % with or without a reference, −3.7 % here — docs/ledger.md,
-    # "Still off at ZeRO-3" — a gap of its own, not the reference's)
+    # measured in the recorded grids: −1.4 %; at ZeRO-3 the copy's own coordinator replayed over its traced forward
+    # (launchers/trace/zero3_held.py: its prefetch front runs ahead and holds what it fetched): +0.3 %, −3.5 % when
+    # one prefetch bucket and the largest module were booked for it
     ("grid-reference-llama-cpu", {"zero_stage": 1, "precision": "bf16", "checkpointing": "full"}, 0.02),
-    ("grid-reference-llama-cpu", {"zero_stage": 3, "precision": "bf16"}, 0.04),
+    ("grid-reference-llama-cpu", {"zero_stage": 3, "precision": "fp32"}, 0.02),
     # PEFT's adapter-disabled base as the reference at ZeRO-3: the policy's second forward invalidates DeepSpeed's
     # trace every micro-step, so nothing is prefetched (launchers/trace/zero3_held.py): −0.0 %, +13 % before
     ("grid-reference-lora-llama-cpu", {"zero_stage": 3, "precision": "fp32"}, 0.03),
