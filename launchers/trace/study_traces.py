@@ -44,8 +44,8 @@ TRACE_CODE = ("launchers.trace.tracer", "launchers.trace.trace_depth", "launcher
 """dsopt's modules that make a whole-model trace (the tracer, the depth extension, the models it builds, the
 ZeRO-3 replay): their source is in every key, so an edit of any of them traces again."""
 ENTRY_FORMAT = 3
-"""Bumped when a cache entry's layout (``{"ok", "result"}``) changes (2: ``zero3_joint_segments`` of four; 3: of five,
-a reference copy's gathers)."""
+"""Bumped when a cache entry's layout (``{"ok", "result"}``) changes (2: ``zero3_joint_segments`` of four; 3:
+``zero3_reference_joint``)."""
 _RESULT_FIELDS = ("parameters", "activation_peak_bytes", "peak_phase", "stored_bytes", "blocks_stored_bytes",
                   "joint_segments", "ungraded_segments", "graded_segments", "notes", "zero3_gathered_elements",
                   "zero3_joint_segments")
@@ -209,8 +209,9 @@ def traced_activation(*, cache: TraceCache | None, model_spec: dict[str, Any], c
         phase, notes = result["peak_phase"], tuple(result["notes"])
         zero3 = max(zero3, result["zero3_gathered_elements"])
         autograd_held = max(autograd_held, int(result.get("zero3_autograd_held_bytes", 0)))
-        if result["zero3_joint_segments"]:  # (activations, gathered, buffered, autograd's copies, a reference's)
-            working, gathered, buffered, copies, reference = max(result["zero3_joint_segments"], key=sum)
+        if result["zero3_joint_segments"]:  # (activations, gathered, buffered, autograd's copies) where they peaked
+            working, gathered, buffered, copies, reference = result.get("zero3_reference_joint") or (
+                *max(result["zero3_joint_segments"], key=sum), 0)  # with a reference copy's gathers: all five
             zero3_joints.append((micro_batch, int(working), int(gathered + buffered), int(copies), int(reference)))
     return TracedActivation(checkpointing=checkpointing, precision=precision, points=tuple(points), peak_phase=phase,
                             joint_points=tuple(joints), split_points=tuple(splits), notes=notes,

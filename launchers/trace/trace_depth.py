@@ -94,12 +94,16 @@ def extrapolate(shallow: Any, deeper: Any, *, depths: tuple[int, int], layers: i
                           tuple(s[:2] for s in deeper.zero3_joint_segments), depths=depths, line=line)
         kept = _segments(tuple(s[2:3] for s in shallow.zero3_joint_segments),
                          tuple(s[2:3] for s in deeper.zero3_joint_segments), depths=depths, line=lambda _, b: b)
-        # autograd's copies (4-bit weights kept past their release) and a reference copy's gathers grow with the depth:
-        # extended as the rest
+        # autograd's copies (4-bit weights kept past their release) grow with the depth: extended as the rest
         copies = _segments(tuple(s[3:] for s in shallow.zero3_joint_segments),
                            tuple(s[3:] for s in deeper.zero3_joint_segments), depths=depths, line=line)
         out["zero3_joint_segments"] = tuple((*pair, *buffers, *extra)
                                             for pair, buffers, extra in zip(pairs, kept, copies, strict=True))
+    # A reference copy's hold does not extend on a line: its prefetch front gains entries block by block with a
+    # period of its own (the tiny Qwen2: 488,704 / 510,336 / 669,952 / 691,584 bytes at 2/3/4/5 blocks, fp32), and
+    # the moment everything peaks moves between the copies — extended from 2 and 3 blocks it read +31…+55 % or
+    # −3 % against 8- and 12-block traces. So an extended trace has none, and the ledger books the formula.
+    out["zero3_reference_joint"] = ()
     for field in dataclasses.fields(deeper):
         a, b = getattr(shallow, field.name), getattr(deeper, field.name)
         if field.name in out:

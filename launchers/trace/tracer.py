@@ -92,16 +92,19 @@ class TraceResult:
     """Bytes of the non-persistent 4-bit weights bitsandbytes' matmul kept for backward in this step
     (:func:`optimizer.deepspeed.zero3_gather.autograd_copies`): what autograd keeps of them whatever ZeRO-3
     releases."""
-    zero3_joint_segments: tuple[tuple[int, int, int, int, int], ...] = ()
+    zero3_joint_segments: tuple[tuple[int, int, int, int], ...] = ()
     """(activations + temporaries, bytes of parameters ZeRO-3 holds gathered — each in its own dtype —, bytes of the
     coalesced prefetch buffers that outlive their wait, bytes of released parameters autograd still holds —
-    :func:`optimizer.deepspeed.zero3_gather.autograd_copies`: 4-bit weights bitsandbytes' matmul kept —, bytes a
-    frozen reference copy's own coordinator holds — :func:`launchers.trace.zero3_held.reference_held`) where
+    :func:`optimizer.deepspeed.zero3_gather.autograd_copies`: 4-bit weights bitsandbytes' matmul kept —) where
     their sum peaked, per stretch as ``joint_segments``:
     the coordinator replayed over the traced module order gives what is gathered between two module events, the
     trace what is live then. With full checkpointing the two peak apart (the gathers at the turn to backward, the
     activations while a block is recomputed), so this is less than their maxima added. The buffers are kept apart:
     a few prefetch buckets, they do not grow with the depth (:func:`launchers.trace.trace_depth.extrapolate`)."""
+    zero3_reference_joint: tuple[int, ...] = ()
+    """With a frozen reference copy, the same four parts and the bytes the copy's own coordinator holds gathered or
+    in flight (:func:`launchers.trace.zero3_held.reference_held`) where all five together peaked over the step; ()
+    without a copy, and in a trace extended from shallow copies (:func:`launchers.trace.trace_depth.extrapolate`)."""
     notes: tuple[str, ...] = ()
     """What the trace assumed, stated (e.g. how MoE experts were run)."""
 
@@ -336,8 +339,8 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
         return _failure(err)
     params = [p for p in model.parameters() if p.requires_grad]
     own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
-    gathered, gathered_turn, zero3_joint, autograd_held = zero3_gathered(model, modules, tracker, model_spec,
-                                                                         reference=reference)
+    gathered, gathered_turn, zero3_joint, autograd_held, reference_joint = zero3_gathered(
+        model, modules, tracker, model_spec, reference=reference)
     return TraceResult(parameters=sum(p.numel() for p in params), largest_module_parameters=max(own, default=0),
                        activation_peak_bytes=tracker.working_peak, peak_phase=tracker.working_phase,
                        stored_bytes=stored, blocks_stored_bytes=blocks_stored,
@@ -348,7 +351,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                        graded_segments=tuple(tracker.graded_segments), notes=tuple(notes),
                        zero3_gathered_elements=gathered, zero3_gathered_after_forward=gathered_turn,
                        zero3_autograd_held_bytes=autograd_held,
-                       zero3_joint_segments=zero3_joint)
+                       zero3_joint_segments=zero3_joint, zero3_reference_joint=reference_joint)
 
 
 def _reference_model(model_spec: dict[str, Any], sequence_length: int) -> nn.Module | None:

@@ -18,16 +18,17 @@ from optimizer.study.quantization_section import STORAGE_BYTES
 
 
 def zero3_gathered(model: nn.Module, modules: list[nn.Module], tracker: Any, model_spec: dict[str, Any],
-                   reference: nn.Module | None = None) -> tuple[int, int, tuple[tuple[int, int, int, int, int], ...],
-                                                            int]:
+                   reference: nn.Module | None = None) -> tuple[int, int, tuple[tuple[int, int, int, int], ...], int,
+                                                            tuple[int, ...]]:
     """(most, after forward) parameter elements ZeRO-3 keeps gathered over this traced step, with the sizes
     dsopt sets for the model (:mod:`optimizer.deepspeed.zero3_gather`), the joint peak of the activations and
     the gathered bytes per stretch (:attr:`launchers.trace.tracer.TraceResult.zero3_joint_segments`), and the bytes
     of the 4-bit weights autograd keeps (:attr:`launchers.trace.tracer.TraceResult.zero3_autograd_held_bytes`).
     ``reference``: a frozen copy whose modules follow ``modules`` in the traced events (:func:`traced_modules`), held
-    by a coordinator of its own (:func:`reference_held`)."""
+    by a coordinator of its own (:func:`reference_held`): the last part is the moment the copy's gathers, the
+    model's and the activations together peak (:func:`reference_joint`), () without a copy."""
     if not model_spec.get("hidden_size") or not tracker.module_events:
-        return 0, 0, (), 0  # the sizes dsopt sets come from the width
+        return 0, 0, (), 0, ()  # the sizes dsopt sets come from the width
     events = tracker.module_events
     count = len(modules)
     own = [event for event in events if event[1] < count]
@@ -65,7 +66,8 @@ def zero3_gathered(model: nn.Module, modules: list[nn.Module], tracker: Any, mod
     mine = [event[1] < count for event in events]
     per_event = [along(mine, values) for values in (held, buffered, copies)]
     theirs = reference_held(reference, events, count, settings=gather_settings(int(model_spec["hidden_size"])))
-    return most, turn, zero3_joint(*per_event, theirs, tracker.interval_marks, len(tracker.segments)), held_bytes
+    joint = zero3_joint(*per_event, tracker.interval_marks, len(tracker.segments))
+    return most, turn, joint, held_bytes, reference_joint(*per_event, theirs, tracker.interval_marks)
 
 
 def traced_modules(model: nn.Module, reference: nn.Module | None, model_spec: dict[str, Any]) -> list[nn.Module]:
@@ -115,17 +117,34 @@ def along(mine: list[bool], values: list[int]) -> list[int]:
     return out
 
 
-def zero3_joint(held: list[int], buffered: list[int], copies: list[int], reference: list[int],
-                marks: dict[tuple[int, int], int], stretches: int) -> tuple[tuple[int, int, int, int, int], ...]:
-    """Per stretch, (activations, gathered bytes, buffered bytes, autograd's copies, a reference copy's gathered
-    bytes) where their sum peaked (:attr:`launchers.trace.tracer.TraceResult.zero3_joint_segments`): ``held[i]``,
-    ``buffered[i]``, ``copies[i]`` and ``reference[i]`` are what is gathered or kept from module event ``i`` to the
-    next (DeepSpeed fetches at a module's pre-hook, before its ops, and releases at its post-hook, after them),
-    ``marks[(i + 1, stretch)]`` the activations' high-water mark then."""
-    out = [(0, 0, 0, 0, 0)] * stretches
+def zero3_joint(held: list[int], buffered: list[int], copies: list[int], marks: dict[tuple[int, int], int],
+                stretches: int) -> tuple[tuple[int, int, int, int], ...]:
+    """Per stretch, (activations, gathered bytes, buffered bytes, autograd's copies) where their sum peaked
+    (:attr:`launchers.trace.tracer.TraceResult.zero3_joint_segments`): ``held[i]``, ``buffered[i]`` and
+    ``copies[i]`` are what is gathered or kept from module event ``i`` to the next (DeepSpeed fetches at a
+    module's pre-hook, before its ops, and releases at its post-hook, after them), ``marks[(i + 1, stretch)]``
+    the activations' high-water mark then."""
+    out = [(0, 0, 0, 0)] * stretches
     for (interval, stretch), working in marks.items():
-        at = interval - 1
-        now = (working, held[at], buffered[at], copies[at], reference[at]) if interval else (working, 0, 0, 0, 0)
+        now = (working, held[interval - 1], buffered[interval - 1], copies[interval - 1]) if interval else \
+            (working, 0, 0, 0)
         if sum(now) > sum(out[stretch]):
             out[stretch] = now
     return tuple(out)
+
+
+def reference_joint(held: list[int], buffered: list[int], copies: list[int], reference: list[int],
+                    marks: dict[tuple[int, int], int]) -> tuple[int, ...]:
+    """(activations, gathered bytes, buffered bytes, autograd's copies, a reference copy's gathered bytes) where
+    their sum peaked over the whole step, () without a copy
+    (:attr:`launchers.trace.tracer.TraceResult.zero3_reference_joint`; the parts as :func:`zero3_joint`'s)."""
+    if not any(reference):
+        return ()
+    best: tuple[int, ...] = (0, 0, 0, 0, 0)
+    for (interval, _), working in marks.items():
+        if interval:
+            at = interval - 1
+            now = (working, held[at], buffered[at], copies[at], reference[at])
+            if sum(now) > sum(best):
+                best = now
+    return best

@@ -32,7 +32,8 @@ def reference_items(z: _Sizes, candidate: Candidate, settings: ZeroSettings,
     """The frozen reference copy's per-rank items (module doc); none without ``training.reference_model`` or with
     ``model.peft`` (no copy). ``joint_bytes``: at ZeRO-3, what the copy's own coordinator, replayed over its traced
     forward, holds gathered at the moment the activations and every gathered parameter together peak
-    (:meth:`optimizer.study.traced_activation.TracedActivation.zero3_joint_at`; None: not traced)."""
+    (:meth:`optimizer.study.traced_activation.TracedActivation.zero3_joint_at`; None or 0: not traced so — a trace
+    extended from shallow copies has none —, the formula)."""
     if not model.reference_model or model.peft is not None:
         return []
     g, prec = z.g, candidate.precision
@@ -49,19 +50,18 @@ def reference_items(z: _Sizes, candidate: Candidate, settings: ZeroSettings,
                            DEEPSPEED_PARAM_SWAP_BUFFERS * DEEPSPEED_PARAM_SWAP_BUFFER_ELEMENTS * g, f"5·1e8·{g}",
                            f"{DS} swap_tensor/partitioned_param_swapper.py:104-127"))
     cap = settings.max_live_parameters + z.largest_module
-    if (z.n > 1 or param is not OffloadDevice.NONE) and joint_bytes is not None:
+    if (z.n > 1 or param is not OffloadDevice.NONE) and joint_bytes:
         # Its own coordinator, whose trace is its forward alone: the prefetch front runs ahead of the modules and
         # what it fetched is held until its module runs (launchers/trace/zero3_held.py reference_held, measured)
-        if joint_bytes:
-            items.append(_item("reference model: parameters gathered or in flight where they, the policy's and the "
-                               "activations together peak (its coordinator replayed over its traced forward)",
-                               Category.BUFFERS, Location.GPU, min(joint_bytes, g * cap),
-                               "traced: each tensor in its own dtype",
-                               f"{DS} partitioned_param_coordinator.py:420-476, 634-665 "
-                               "(optimizer/deepspeed/zero3_gather.py)", Phase.BACKWARD))
+        items.append(_item("reference model: parameters gathered or in flight where they, the policy's and the "
+                           "activations together peak (its coordinator replayed over its traced forward)",
+                           Category.BUFFERS, Location.GPU, min(joint_bytes, g * cap),
+                           "traced: each tensor in its own dtype",
+                           f"{DS} partitioned_param_coordinator.py:420-476, 634-665 "
+                           "(optimizer/deepspeed/zero3_gather.py)", Phase.BACKWARD))
     elif z.n > 1 or param is not OffloadDevice.NONE:
-        # Not traced: its forward fetches module by module and prefetches up to the bucket (capped by max_live): at
-        # most the model, while the policy's activations are held (its forward runs after the policy's).
+        # Not traced at full depth (or the copy held nothing at the traced moment): its forward fetches module by
+        # module and prefetches up to the bucket (capped by max_live), while the policy's activations are held.
         gathered = min(z.psi, settings.prefetch_bucket_elements + z.largest_module, cap)
         items.append(_item("reference model: parameters gathered for its forward", Category.BUFFERS, Location.GPU,
                            g * gathered, f"{g}·min(Ψ, prefetch + LL, max_live + LL)",
