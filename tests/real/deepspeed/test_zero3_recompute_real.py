@@ -55,9 +55,9 @@ def _traced_events(model: dict, *, precision: Precision, seq: int, monkeypatch: 
     """The module events the tracer replays the coordinator over, for one micro-batch with full checkpointing."""
     seen: list = []
 
-    def keep(model, modules, tracker, model_spec):
+    def keep(model, modules, tracker, model_spec, reference=None):
         seen.extend(tracker.module_events)
-        return REPLAYED(model, modules, tracker, model_spec)
+        return REPLAYED(model, modules, tracker, model_spec, reference=reference)
 
     monkeypatch.setattr(tracer, "zero3_gathered", keep)
     result = tracer.trace(model_spec={**model, ZERO3_RUN: True}, checkpointing="full", precision=precision,
