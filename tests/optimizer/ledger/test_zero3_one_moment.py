@@ -96,7 +96,7 @@ def test_one_rank_gathers_views_so_the_high_water_mark_stands_alone():
 
 REFERENCE = "reference model: parameters gathered or in flight where they, the policy's and the activations together " \
     "peak (its coordinator replayed over its traced forward)"
-FORMULA = "reference model: parameters gathered for its forward"
+FORMULA = "reference model: parameters gathered or in flight for its forward (its prefetch front, up to max_live)"
 
 
 def test_a_reference_copys_own_gathers_are_booked_at_the_same_moment_and_capped_by_its_max_live():

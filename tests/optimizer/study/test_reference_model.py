@@ -114,14 +114,17 @@ def test_below_zero3_the_reference_is_whole_on_every_rank_in_the_training_dtype(
     assert sum(_reference(stage, Precision.FP32).values()) == 4 * 1500
 
 
+FORMULA = "reference model: parameters gathered or in flight for its forward (its prefetch front, up to max_live)"
+
+
 def test_at_zero3_the_reference_is_partitioned_and_gathered_for_its_forward():
     items = _reference(3, Precision.FP32)
     # Q = 500 + 200 + 20 + 20 + 10; the persistence threshold 10·h = 200 keeps k, v and the norm whole (K = 100);
-    # its forward gathers the largest module (the embedding, LL = 1,000) and a prefetch bucket of 0.9·h² = 360:
-    # min(Ψ 1,500, 360 + 1,000, max_live 1e9 + 1,000) = 1,360
+    # untraced, its forward's prefetch front holds what it fetched until max_live stops it (optimizer/ledger/
+    # reference.py): min(Ψ − K = 1,400, max_live 1e9 + the largest module 1,000) = 1,400
     assert items == {"reference model: fp32 parameter partition": 4 * 750,
                      "reference model: persistent parameters": 4 * 100,
-                     "reference model: parameters gathered for its forward": 4 * 1360}
+                     FORMULA: 4 * 1400}
     offloaded = _reference(3, Precision.FP32, param=OffloadDevice.CPU)
     assert offloaded["reference model: fp32 parameter partition (pinned)"] == 4 * 750
 
