@@ -32,8 +32,7 @@ def zero3_gathered(model: nn.Module, modules: list[nn.Module], tracker: Any, mod
     events = tracker.module_events
     count = len(modules)
     own = [event for event in events if event[1] < count]
-    index = {id(p): i for i, p in enumerate(model.parameters())}
-    module_params = [[index[id(p)] for p in m.parameters(recurse=False) if id(p) in index] for m in modules]
+    module_params = owned_params(model, modules)
     quantization = model_spec.get("quantization") or {}
     storage = STORAGE_BYTES[quantization.get("bnb_4bit_quant_storage", "uint8")]
     # a 4-bit weight is gathered as its packed storage elements (optimizer.ledger.transformer.held_tensors)
@@ -41,7 +40,7 @@ def zero3_gathered(model: nn.Module, modules: list[nn.Module], tracker: Any, mod
     numel = [packed_elements(p.numel(), storage_bytes=storage) if is_four_bit(p) else p.numel() for p in params]
     weights = [n * (storage if is_four_bit(p) else p.element_size()) for n, p in zip(numel, params, strict=True)]
     frozen = [i for i, p in enumerate(params) if not p.requires_grad]  # a recomputation holds these (zero3_gather)
-    settings = gather_settings(int(model_spec["hidden_size"]))
+    settings = sizes = gather_settings(int(model_spec["hidden_size"]))
     if model_spec.get("reference_model") and model_spec.get("peft"):
         # The policy runs forward twice a micro-step, the second with its adapters disabled as the reference
         # (launchers/models/reference.py). DeepSpeed resets its coordinator's step at every forward of the engine's
@@ -65,7 +64,7 @@ def zero3_gathered(model: nn.Module, modules: list[nn.Module], tracker: Any, mod
     held_bytes = sum(weights[i] for i in by_autograd if numel[i] > settings.persistence_threshold)
     mine = [event[1] < count for event in events]
     per_event = [along(mine, values) for values in (held, buffered, copies)]
-    theirs = reference_held(reference, events, count, settings=gather_settings(int(model_spec["hidden_size"])))
+    theirs = reference_held(reference, events, count, settings=sizes)  # the copy keeps the training's sizes
     joint = zero3_joint(*per_event, tracker.interval_marks, len(tracker.segments))
     return most, turn, joint, held_bytes, reference_joint(*per_event, theirs, tracker.interval_marks)
 
@@ -96,14 +95,18 @@ def reference_held(reference: nn.Module | None, events: list[tuple[str, int]], c
     if reference is None or not theirs:
         return [0] * len(events)
     params = list(reference.parameters())
-    index = {id(p): i for i, p in enumerate(params)}
-    module_params = [[index[id(p)] for p in m.parameters(recurse=False) if id(p) in index]
-                     for m in reference.modules()]
-    kwargs = {"events": theirs, "module_params": module_params, "param_numel": [p.numel() for p in params],
+    kwargs = {"events": theirs, "module_params": owned_params(reference, list(reference.modules())),
+              "param_numel": [p.numel() for p in params],
               "settings": settings, "weights": [p.numel() * p.element_size() for p in params]}
     most = [max(a, b) for a, b in zip(replay(**kwargs, buffers=True), replay(**kwargs, buffers=True, first_step=True),
                                       strict=True)]
     return along([m >= count for _, m in events], most)
+
+
+def owned_params(model: nn.Module, modules: list[nn.Module]) -> list[list[int]]:
+    """Per module of ``modules``, the indices (in ``model.parameters()``) of the parameters it owns directly."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    return [[index[id(p)] for p in m.parameters(recurse=False) if id(p) in index] for m in modules]
 
 
 def along(mine: list[bool], values: list[int]) -> list[int]:
