@@ -1,6 +1,7 @@
 """Record a full grid of real measurements: every valid candidate of a study, launched once.
 
-    python benchmarks/record_grid.py [STUDY.yaml] [--out benchmarks/data/grid-cpu.json]
+    python benchmarks/record_grid.py [STUDY.yaml] [--out benchmarks/data/grid-cpu.json] [--probe-again]
+    python benchmarks/record_grid.py STUDY.yaml --out GRID.json --fidelity-again   # the fidelity column only
 
 Default: studies/grid-cpu.yaml — the built-in tiny GPT on 2 CPU ranks, 84 valid candidates. Every valid
 candidate is launched regardless of what the ledger says (that is the point: the replay needs to know what
@@ -29,14 +30,18 @@ import time
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from launchers.probe.machine import cpu_model, machine_probe
 from launchers.trace.inventory import adapted_inventory
 from launchers.trace.study_traces import with_traced_activations
-from launchers.trial.run import check_devices, reference_losses, run_trial
+from launchers.trial.reference_batches import losses_for
+from launchers.trial.run import check_devices, reference_losses, run_trial, trial_dir_for
 from optimizer.ledger.core import evaluate
+from optimizer.results.trial_result import loss_fidelity
+from optimizer.study.knobs import with_knobs
 from optimizer.study.specs import baseline_candidate
-from optimizer.study.study_file import load_study
+from optimizer.study.study_file import StudySpec, load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,12 +63,42 @@ def write(out: Path, data: dict[str, object]) -> None:
     tmp.replace(out)
 
 
+def judge_again(study: StudySpec, data: dict[str, Any], out: Path, reference: list[float]) -> int:
+    """Every recorded candidate's loss fidelity again, from the losses its trial folder kept, against the reference
+    a study judges it by now (:func:`launchers.trial.reference_batches.losses_for`); the measurements stay."""
+    base = baseline_candidate(study.training)
+    for entry in data["candidates"]:
+        if entry["outcome"] != "ok":
+            continue
+        candidate = with_knobs(base, entry["knobs"])
+        kept = trial_dir_for(study, candidate) / "result.json"
+        result = json.loads(kept.read_text()) if kept.is_file() else {}
+        losses = result.get("losses")
+        if not losses or result.get("tokens_per_s") != entry["tokens_per_s"]:  # not kept, or another run's
+            print(f"{kept}: no losses of the run recorded for {entry['label']}; record the grid again",
+                  file=sys.stderr)
+            return 2
+        judged_by = losses_for(study, candidate, reference, say=lambda text: print(text, flush=True))
+        fidelity = loss_fidelity(losses, judged_by) if judged_by else None
+        print(f"{entry['label']}: {entry['loss_fidelity']} -> {fidelity}", flush=True)
+        entry["loss_fidelity"] = fidelity
+    data["fidelity_judged"] = {"command": " ".join(["python", *sys.argv]), "at": datetime.now(UTC).isoformat(),
+                               "rule": "against the FP32 reference of the candidate's own micro-batch size where "
+                                       "the model draws dropout masks (launchers/trial/reference_batches.py)"}
+    write(out, data)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("study", nargs="?", default=str(ROOT / "studies" / "grid-cpu.yaml"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "data" / "grid-cpu.json"))
     parser.add_argument("--probe-again", action="store_true", help="replace the grid's probe with one taken now "
                         "(on the machine that recorded it: the probe says when it was measured)")
+    parser.add_argument("--fidelity-again", action="store_true", help="judge every recorded candidate's losses (its "
+                        "trial folder's result.json) against the FP32 reference of its own micro-batch size where "
+                        "the model draws dropout masks (launchers/trial/reference_batches.py); launches only those "
+                        "references")
     args = parser.parse_args()
     # a study asking for traced activations gets them; one that trains in part, its inventory
     study = with_traced_activations(adapted_inventory(load_study(args.study)))
@@ -80,6 +115,8 @@ def main() -> int:
         write(out, data)
     done = {entry["label"] for entry in data["candidates"]}
     reference = reference_losses(study)
+    if args.fidelity_again:
+        return judge_again(study, data, out, reference)
     spec = {"model": study.model, "hardware": study.hardware, "training": study.training}
     candidates = [c for c in study.search_space.candidates(baseline_candidate(study.training))
                   if evaluate(candidate=c, **spec).ledger is not None]
@@ -93,7 +130,7 @@ def main() -> int:
         device = ledger.per_gpu()["total"]
         per_rank = ledger.host_bytes // ledger.ranks_per_node if ledger.device_is_host else device
         start = time.monotonic()
-        result = run_trial(study=study, candidate=candidate, reference_losses=reference)
+        result = run_trial(study=study, candidate=candidate, reference_losses=losses_for(study, candidate, reference))
         entry = {
             "label": candidate.label(), "knobs": candidate.knobs(), "outcome": result.outcome.value,
             "measured_peak_bytes": result.peak_memory_bytes, "training_peak_bytes": result.training_peak_memory_bytes,

@@ -23,6 +23,7 @@ import optuna
 from launchers.study.artifacts import default_store_dir, uploader
 from launchers.study.op_prep import prepare_ops, study_candidates
 from launchers.study.progress import Progress, ProgressMode
+from launchers.trial.reference_batches import losses_for
 from launchers.trial.reference_trial import reference_as_trial
 from launchers.trial.run import (
     cached_reference_losses,
@@ -151,7 +152,8 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
         if runner is not None:
             return runner(candidate, losses)
         step = predicted_speed(candidate, spec=spec, models=state.models)  # calibrated once trials are measured
-        result = run_trial(study=spec, candidate=candidate, reference_losses=losses,
+        judged_by = losses_for(stated, candidate, losses, gpus=gpus, say=lambda text: _say(worker, text))
+        result = run_trial(study=spec, candidate=candidate, reference_losses=judged_by,
                            step_s=None if isinstance(step, str) else step.total_s, gpus=gpus,
                            stop_above=stop_above(spec, candidate, ledger=ledgers.get(candidate.label())))
         say_profile_mismatch(spec, result, said=mismatch_said, worker=worker)

@@ -378,11 +378,11 @@ def reference_key(study: StudySpec, *, versions: Mapping[str, str | None] | None
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def cached_reference_losses(study: StudySpec) -> list[float] | None:
-    """The FP32 reference's losses cached for this study as it is now (``reference.json`` under its key), or None:
+def cached_reference_losses(study: StudySpec, *, name: str = "reference") -> list[float] | None:
+    """The FP32 reference's losses cached for this study as it is now (``<name>.json`` under its key), or None:
     a launch is needed."""
     try:
-        data = json.loads((study.output_dir / "reference.json").read_text())
+        data = json.loads((study.output_dir / f"{name}.json").read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or data.get("key") != reference_key(study) or "losses" not in data:
@@ -391,22 +391,23 @@ def cached_reference_losses(study: StudySpec) -> list[float] | None:
 
 
 def reference_losses(study: StudySpec, *, gpus: Sequence[str] | None = None, probe: Mapping[str, Any] | None = None,
-                     probe_timeout_s: float = 0.0) -> list[float]:
+                     probe_timeout_s: float = 0.0, name: str = "reference") -> list[float]:
     """The FP32 reference losses, from the study's cache or from one run of :func:`reference_candidate` (on the
-    worker's GPU slice ``gpus``, as :func:`run_trial`; ``probe``: what its ranks probe after it, as there)."""
-    cached = cached_reference_losses(study)
+    worker's GPU slice ``gpus``, as :func:`run_trial`; ``probe``: what its ranks probe after it, as there), kept as
+    ``<name>.json`` and ``<name>/`` (:mod:`launchers.trial.reference_batches` names one per micro-batch size)."""
+    cached = cached_reference_losses(study, name=name)
     if cached is not None:
         return cached
-    cache = study.output_dir / "reference.json"
+    cache = study.output_dir / f"{name}.json"
     key = reference_key(study)
     candidate = reference_candidate(study)
-    result = run_trial(study=study, candidate=candidate, trial_dir=study.output_dir / "reference", gpus=gpus,
-                       probe=probe, probe_timeout_s=probe_timeout_s)
+    result = run_trial(study=study, candidate=candidate, trial_dir=study.output_dir / name, gpus=gpus, probe=probe,
+                       probe_timeout_s=probe_timeout_s)
     for _ in range(study.trial.retries):  # maybe transient, as a trial's crash or timeout (objective.RETRIED): a rank
         if result.outcome not in RETRIED:  # that aborted at exit after its report ("terminate called without an
             break                          # active exception", seen once on CPU ranks) stopped the whole study
-        result = run_trial(study=study, candidate=candidate, trial_dir=study.output_dir / "reference", gpus=gpus,
-                       probe=probe, probe_timeout_s=probe_timeout_s)
+        result = run_trial(study=study, candidate=candidate, trial_dir=study.output_dir / name, gpus=gpus,
+                           probe=probe, probe_timeout_s=probe_timeout_s)
     if result.outcome is not Outcome.OK:
         raise ReferenceFailed(result)
     cache.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from optimizer.study.study_file import load_study
 
 
 def run(args: argparse.Namespace) -> int:
+    from launchers.trial.reference_batches import at_micro_batch, reference_name
     from launchers.trial.run import (
         ReferenceFailed,
         check_devices,
@@ -34,11 +35,14 @@ def run(args: argparse.Namespace) -> int:
     verdict = evaluate(candidate=candidate, **spec)
     if verdict.ledger is None:  # checked above; the inventory cannot make a valid candidate invalid
         raise invalid_candidate(study, candidate, verdict.invalid_reasons, sets=args.set)
+    # judged against the FP32 reference at its own micro-batch where dropout draws masks per micro-batch
+    name = reference_name(study, candidate.micro_batch_size)
+    judged_by = study if name == "reference" else at_micro_batch(study, candidate.micro_batch_size)
     reference = None
-    own_reference = candidate == reference_candidate(study)
+    own_reference = candidate == reference_candidate(judged_by)
     if not own_reference:
         try:
-            reference = reference_losses(study, gpus=gpus)
+            reference = reference_losses(judged_by, gpus=gpus, name=name)
         except ReferenceFailed as failed:
             print(f"dsopt: warning: {failed}; loss fidelity is not computed", file=sys.stderr)
     result = run_trial(study=study, candidate=candidate, reference_losses=reference, gpus=gpus)

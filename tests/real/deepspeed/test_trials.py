@@ -19,8 +19,9 @@ from trial_processes import trial_processes
 
 from launchers.models.builtin import build_model
 from launchers.trial.local import LAUNCH_ID_VAR
+from launchers.trial.reference_batches import losses_for
 from launchers.trial.run import reference_losses, run_trial
-from optimizer.results.trial_result import Outcome
+from optimizer.results.trial_result import Outcome, loss_fidelity
 from optimizer.study.knobs import with_knobs
 from optimizer.study.specs import baseline_candidate
 from optimizer.study.study_file import load_study
@@ -196,3 +197,18 @@ def test_cli_trial_json_of_bf16_within_its_tolerance(study, reference):
     assert 0 < data["loss_fidelity"] <= study.trial.tolerance(with_knobs(
         baseline_candidate(study.training), {"precision": "bf16"}).precision)
     assert LAUNCH_ID_VAR not in proc.stdout
+
+
+def test_with_dropout_a_candidate_is_judged_against_the_reference_of_its_micro_batch(tmp_path):
+    # Dropout draws a micro-batch's masks at once, layer after layer: at micro-batch 1 the samples get other masks
+    # than at the reference's 2, and the losses part by the masks' noise (launchers/trial/reference_batches.py).
+    study = load_study(_study_copy(tmp_path, model__dropout=True))
+    assert study.training.micro_batch_size == 2
+    base = reference_losses(study)
+    candidate = with_knobs(baseline_candidate(study.training), {"zero_stage": 1, "micro_batch_size": 1})
+    judged = losses_for(study, candidate, base)
+    assert (study.output_dir / "reference-mbs1.json").is_file() and judged != base
+    result = run_trial(study=study, candidate=candidate, reference_losses=judged)
+    assert result.outcome is Outcome.OK
+    assert result.loss_fidelity <= 1e-6, result.loss_fidelity  # ZeRO-1 at the same masks: reductions reordered only
+    assert loss_fidelity(result.losses, base) > study.trial.tolerance(candidate.precision)  # the masks' noise

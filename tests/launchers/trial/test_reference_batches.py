@@ -1,0 +1,69 @@
+"""Which FP32 reference a candidate is judged against: the study's, or, where dropout draws masks per micro-batch,
+the one at the candidate's own micro-batch size (launchers/trial/reference_batches.py; the real runs that show the
+masks' noise and its cure are in tests/real/deepspeed/test_trials.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from launchers.trial.reference_batches import at_micro_batch, draws_random, losses_for, reference_name
+from launchers.trial.run import reference_candidate, reference_key
+from optimizer.study.knobs import with_knobs
+from optimizer.study.specs import baseline_candidate
+from optimizer.study.study_file import load_study
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _study(tmp_path: Path, name: str):
+    """A copy of a study whose model is inline (its outputs go under ``tmp_path``)."""
+    shutil.copy(ROOT / "studies" / f"{name}.yaml", tmp_path / f"{name}.yaml")
+    return load_study(tmp_path / f"{name}.yaml")
+
+
+@pytest.mark.parametrize(("name", "drawn"), [
+    ("grid-lora-gpt2-cpu", True),  # transformers' GPT-2: resid/embd/attn_pdrop 0.1 by default
+    ("grid-lora-llama-cpu", True),  # LoRA's lora_dropout 0.1 on a Llama without dropout
+    ("grid-llama-cpu", False),  # the Llama: attention_dropout 0
+    ("cpu-tiny", False),  # the built-in GPT with dropout: false
+    ("seed-1b-2x24gb", False),  # a model given by its sizes only runs no trial
+])
+def test_the_studies_whose_training_draws_random_numbers(name, drawn):
+    study = load_study(ROOT / "studies" / f"{name}.yaml")  # read only
+    assert draws_random(study) is drawn
+    other = 1 if study.training.micro_batch_size != 1 else 2
+    assert reference_name(study, study.training.micro_batch_size) == "reference"
+    assert reference_name(study, other) == (f"reference-mbs{other}" if drawn else "reference")
+
+
+def test_the_built_in_model_with_dropout_draws_random_numbers(tmp_path):
+    study = _study(tmp_path, "cpu-tiny")
+    assert draws_random(dataclasses.replace(study, model=dataclasses.replace(study.model, dropout=True)))
+
+
+def test_without_dropout_or_at_the_reference_micro_batch_the_study_reference_judges(tmp_path):
+    for name, micro_batch in (("cpu-tiny", 1), ("grid-lora-gpt2-cpu", 2)):
+        study = _study(tmp_path, name)
+        candidate = with_knobs(baseline_candidate(study.training), {"zero_stage": 1, "micro_batch_size": micro_batch})
+        given = [5.0, 4.9]
+        assert losses_for(study, candidate, given) is given  # nothing launched: no reference-mbs file appears
+        assert not list(study.output_dir.glob("reference-mbs*")) if study.output_dir.exists() else True
+
+
+def test_another_micro_batch_reads_its_own_cached_reference_under_its_key(tmp_path):
+    study = _study(tmp_path, "grid-lora-gpt2-cpu")
+    at = at_micro_batch(study, 4)
+    assert at.training.micro_batch_size == 4 and at.training.global_batch_size == study.training.global_batch_size
+    assert at.output_dir == study.output_dir and reference_candidate(at).micro_batch_size == 4
+    assert reference_key(at) != reference_key(study)
+    study.output_dir.mkdir(parents=True)
+    (study.output_dir / "reference-mbs4.json").write_text(json.dumps({"key": reference_key(at), "losses": [5.5, 5.4]}))
+    candidate = with_knobs(baseline_candidate(study.training), {"zero_stage": 2, "micro_batch_size": 4})
+    said: list[str] = []
+    assert losses_for(study, candidate, [9.0], say=said.append) == [5.5, 5.4]
+    assert said == []  # cached: no launch announced
