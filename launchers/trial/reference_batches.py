@@ -12,7 +12,8 @@ the dropouts at 0 the same comparison gave 8.6e-8. ZeRO stages, offload, precisi
 ``torch.utils.checkpoint``'s default ``preserve_rng_state``) recomputation draw the same masks in the same order:
 at the reference's micro-batch the grid's fp32 candidates agreed to 0.0. So where the model draws random numbers
 in training, a candidate is judged against an FP32 reference at its own micro-batch size — one more reference launch
-per micro-batch size the study launches, cached as ``reference-mbs<k>.json`` beside the study's ``reference.json``.
+per micro-batch size the study launches, cached as ``reference-mbs<k>.json`` beside the study's ``reference.json`` —
+or none where the candidate launched is that reference's own (:func:`own_reference`): its run is the reference.
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ import dataclasses
 import json
 from collections.abc import Callable, Sequence
 
-from launchers.trial.run import ReferenceFailed, cached_reference_losses, reference_losses
+from launchers.trial.run import (
+    ReferenceFailed,
+    cached_reference_losses,
+    keep_reference,
+    reference_candidate,
+    reference_losses,
+)
+from optimizer.results.trial_result import Outcome, TrialResult
 from optimizer.study.knobs import Candidate
 from optimizer.study.specs import TransformerModel
 from optimizer.study.study_file import StudySpec
@@ -68,3 +76,25 @@ def losses_for(study: StudySpec, candidate: Candidate, losses: list[float] | Non
     except ReferenceFailed as failed:
         say(f"{failed}; loss fidelity at micro-batch {k} is not computed")
         return None
+
+
+def own_reference(study: StudySpec, candidate: Candidate) -> str | None:
+    """The name of the reference ``candidate``'s own run would be — it is the FP32 reference of its micro-batch size,
+    another than the study's, not yet cached — or None (then :func:`losses_for` judges it)."""
+    name = reference_name(study, candidate.micro_batch_size)
+    if name == "reference":
+        return None
+    at = at_micro_batch(study, candidate.micro_batch_size)
+    if candidate != reference_candidate(at) or cached_reference_losses(at, name=name) is not None:
+        return None
+    return name
+
+
+def kept_as_reference(study: StudySpec, candidate: Candidate, name: str, result: TrialResult) -> TrialResult:
+    """``result`` of :func:`own_reference`'s candidate: where it trained, its losses cached as that reference and its
+    fidelity 0 (the reference itself, as the study's own reference run is its candidate's trial)."""
+    if result.outcome is not Outcome.OK or not result.losses:
+        return result
+    keep_reference(at_micro_batch(study, candidate.micro_batch_size), name=name, candidate=candidate,
+                   losses=result.losses)
+    return dataclasses.replace(result, loss_fidelity=0.0)

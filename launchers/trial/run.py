@@ -340,11 +340,10 @@ def result_json(result: TrialResult) -> dict[str, Any]:
 
 
 def reference_candidate(study: StudySpec) -> Candidate:
-    """The FP32 reference: the baseline if the ledger says it fits; otherwise, of the FP32 variants of it that fit,
-    the one with the shortest predicted step (so that a big model's reference can finish: its launch limit
-    follows that prediction), then the least memory (all of them while the throughput model has no figure) —
-    ZeRO stages, offload and full recomputation change only the order of floating-point reductions (measured
-    ≤ 1e-7 relative on cpu-tiny), so the losses are the baseline's. UserError if no FP32 configuration fits."""
+    """The FP32 reference: the baseline if the ledger says it fits; else, of its FP32 variants that fit, the one with
+    the shortest predicted step (a big model's reference can finish: its launch limit follows that prediction),
+    then the least memory — ZeRO stages, offload and full recomputation only reorder floating-point reductions
+    (≤ 1e-7 relative on cpu-tiny), so the losses are the baseline's. UserError if no FP32 configuration fits."""
     base = baseline_candidate(study.training)
     spec = {"model": study.model, "hardware": study.hardware, "training": study.training}
     if evaluate(candidate=base, **spec).fits:
@@ -392,14 +391,11 @@ def cached_reference_losses(study: StudySpec, *, name: str = "reference") -> lis
 
 def reference_losses(study: StudySpec, *, gpus: Sequence[str] | None = None, probe: Mapping[str, Any] | None = None,
                      probe_timeout_s: float = 0.0, name: str = "reference") -> list[float]:
-    """The FP32 reference losses, from the study's cache or from one run of :func:`reference_candidate` (on the
-    worker's GPU slice ``gpus``, as :func:`run_trial`; ``probe``: what its ranks probe after it, as there), kept as
-    ``<name>.json`` and ``<name>/`` (:mod:`launchers.trial.reference_batches` names one per micro-batch size)."""
+    """The FP32 reference losses, cached or from one run of :func:`reference_candidate` (``gpus``, ``probe``: as
+    :func:`run_trial`), kept as ``<name>.json`` and ``<name>/`` (one per micro-batch: ``reference_batches``)."""
     cached = cached_reference_losses(study, name=name)
     if cached is not None:
         return cached
-    cache = study.output_dir / f"{name}.json"
-    key = reference_key(study)
     candidate = reference_candidate(study)
     result = run_trial(study=study, candidate=candidate, trial_dir=study.output_dir / name, gpus=gpus, probe=probe,
                        probe_timeout_s=probe_timeout_s)
@@ -410,9 +406,15 @@ def reference_losses(study: StudySpec, *, gpus: Sequence[str] | None = None, pro
                            probe=probe, probe_timeout_s=probe_timeout_s)
     if result.outcome is not Outcome.OK:
         raise ReferenceFailed(result)
+    keep_reference(study, name=name, candidate=candidate, losses=result.losses)
+    return list(result.losses)
+
+
+def keep_reference(study: StudySpec, *, name: str, candidate: Candidate, losses: Sequence[float]) -> None:
+    """Cache ``losses`` as the study's FP32 reference ``<name>.json`` under its key, replaced whole."""
+    cache = study.output_dir / f"{name}.json"
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"key": key, "versions": installed_versions(), "candidate": candidate.knobs(),
-                               "losses": list(result.losses)}, indent=2) + "\n")
+    tmp.write_text(json.dumps({"key": reference_key(study), "versions": installed_versions(),
+                               "candidate": candidate.knobs(), "losses": list(losses)}, indent=2) + "\n")
     tmp.replace(cache)
-    return list(result.losses)

@@ -11,8 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from launchers.trial.reference_batches import at_micro_batch, draws_random, losses_for, reference_name
+from launchers.trial.reference_batches import (
+    at_micro_batch,
+    draws_random,
+    kept_as_reference,
+    losses_for,
+    own_reference,
+    reference_name,
+)
 from launchers.trial.run import reference_candidate, reference_key
+from optimizer.results.trial_result import Outcome, TrialResult
 from optimizer.study.knobs import with_knobs
 from optimizer.study.specs import baseline_candidate
 from optimizer.study.study_file import load_study
@@ -67,3 +75,21 @@ def test_another_micro_batch_reads_its_own_cached_reference_under_its_key(tmp_pa
     said: list[str] = []
     assert losses_for(study, candidate, [9.0], say=said.append) == [5.5, 5.4]
     assert said == []  # cached: no launch announced
+
+
+def test_the_reference_candidate_of_another_micro_batch_is_its_own_reference(tmp_path):
+    study = _study(tmp_path, "cpu-tiny")
+    study = dataclasses.replace(study, model=dataclasses.replace(study.model, dropout=True))
+    base = baseline_candidate(study.training)
+    own = with_knobs(base, {"micro_batch_size": 1})  # z0 fp32 ckpt=none mbs=1: the mbs-1 reference's candidate
+    assert reference_candidate(at_micro_batch(study, 1)) == own
+    assert own_reference(study, own) == "reference-mbs1"
+    assert own_reference(study, with_knobs(own, {"zero_stage": 1})) is None  # judged by it, not it
+    assert own_reference(study, base) is None  # the study's own reference: reference_as_trial's
+    result = kept_as_reference(study, own, "reference-mbs1",
+                               TrialResult(outcome=Outcome.OK, losses=(5.5, 5.4), loss_fidelity=None))
+    assert result.loss_fidelity == 0.0
+    assert losses_for(study, with_knobs(own, {"zero_stage": 1}), [9.0]) == [5.5, 5.4]  # cached under its key
+    assert own_reference(study, own) is None  # kept: its next launch is judged like any other
+    failed = TrialResult(outcome=Outcome.OOM, loss_fidelity=None)
+    assert kept_as_reference(study, with_knobs(own, {"zero_stage": 2}), "reference-mbs1", failed) is failed
