@@ -64,10 +64,33 @@ def _walk(nodes: Any) -> Iterator[Any]:
         yield from _walk(node.children)
 
 
-def start_cpu_profiler() -> torch.profiler.profile:
-    """A started profiler recording CPU allocations, every thread counted (start it before the model is built)."""
+class CpuProfiler:
+    """What ``torch.profiler.profile(activities=[CPU], profile_memory=True)`` runs, without its one import.
+
+    ``torch.profiler.profile.start`` is ``prepare_trace`` + ``start_trace``: the autograd profiler
+    (``torch.autograd.profiler.profile``, ``use_kineto=True``, CPU only) prepared and started, and ``stop`` is its
+    ``__exit__`` (torch 2.13 ``profiler/profiler.py:294-345, 388-399``) — this class does the same. But
+    ``prepare_trace`` first asks ``hasattr(torch, "_inductor")`` for a CUDA-graphs flag (``:295``), and torch's lazy
+    module attribute (``torch/__init__.py`` ``__getattr__``) imports ``torch._inductor`` to answer: 1.9 s per rank on a
+    2-core machine, in every trial and script trial on CPU ranks, for a flag a CPU memory profile never reads.
+    ``profiler`` is the autograd profiler, as on ``torch.profiler.profile``; its ``kineto_results`` hold the events."""
+
+    def __init__(self, *, with_stack: bool = False) -> None:
+        self.profiler = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True, with_stack=with_stack,
+                                                        use_kineto=True)
+
+    def start(self) -> None:
+        self.profiler.__enter__()
+
+    def stop(self) -> None:
+        self.profiler.__exit__(None, None, None)
+
+
+def start_cpu_profiler(*, with_stack: bool = False) -> CpuProfiler:
+    """A started profiler recording CPU allocations, every thread counted (start it before the model is built);
+    ``with_stack``: each event with its Python stack (``launchers/rank/peak_attribution.py``)."""
     count_every_thread(True)
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    profiler = CpuProfiler(with_stack=with_stack)
     profiler.start()
     return profiler
 
@@ -107,7 +130,7 @@ def _paired_totals(events: list[Any]) -> list[int]:
     return totals
 
 
-def live_tensor_peaks(profiler: torch.profiler.profile, *, ranges: tuple[str, ...] = (),
+def live_tensor_peaks(profiler: CpuProfiler, *, ranges: tuple[str, ...] = (),
                       every_thread: bool = True) -> LivePeaks:
     """Live CPU tensor bytes over the profiled span in one pass; ``ranges`` names ``record_function`` ranges
     whose ends split the span (e.g. model construction, the init phase). ``every_thread``: the counter flag
@@ -135,14 +158,14 @@ def live_tensor_peaks(profiler: torch.profiler.profile, *, ranges: tuple[str, ..
                      every_thread=every_thread and bool(events))
 
 
-def stop_cpu_profiler(profiler: torch.profiler.profile, *, ranges: tuple[str, ...] = ()) -> LivePeaks:
+def stop_cpu_profiler(profiler: CpuProfiler, *, ranges: tuple[str, ...] = ()) -> LivePeaks:
     """Stop a profiler from :func:`start_cpu_profiler`, read its peaks, and clear the counter flag."""
     profiler.stop()
     counted = count_every_thread(False)
     return live_tensor_peaks(profiler, ranges=ranges, every_thread=counted)
 
 
-def live_tensor_peak(profiler: torch.profiler.profile) -> tuple[int, int]:
+def live_tensor_peak(profiler: CpuProfiler) -> tuple[int, int]:
     """(peak, final) live CPU tensor bytes over a stopped profiler's span (:func:`live_tensor_peaks`)."""
     peaks = live_tensor_peaks(profiler, every_thread=_count_flag() is not None)
     return peaks.peak, peaks.final

@@ -19,7 +19,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch._C._profiler import _EventType
 
 import launchers.rank.cpu_memory as cpu_memory
@@ -53,7 +52,7 @@ def where(node: Any) -> str:
     return " <- ".join(chain)
 
 
-def live_at_peak(profiler: torch.profiler.profile, *, after_range: str) -> dict[str, Any]:
+def live_at_peak(profiler: cpu_memory.CpuProfiler, *, after_range: str) -> dict[str, Any]:
     """The training peak (after ``after_range``'s end) and the allocations live then, grouped by site."""
     nodes = list(cpu_memory._walk(profiler.profiler.kineto_results.experimental_event_tree()))
     ends = [n.end_time_ns for n in nodes if n.tag == _EventType.TorchOp and _name(n) == after_range]
@@ -90,14 +89,10 @@ def main() -> int:
     out_dir = Path(sys.argv[2])
     rank = int(os.environ.get("RANK", "0"))
 
-    def start() -> torch.profiler.profile:
-        cpu_memory.count_every_thread(True)
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
-                                          with_stack=True)
-        profiler.start()
-        return profiler
+    def start() -> cpu_memory.CpuProfiler:
+        return cpu_memory.start_cpu_profiler(with_stack=True)
 
-    def stop(profiler: torch.profiler.profile, *, ranges: tuple[str, ...] = ()) -> cpu_memory.LivePeaks:
+    def stop(profiler: cpu_memory.CpuProfiler, *, ranges: tuple[str, ...] = ()) -> cpu_memory.LivePeaks:
         profiler.stop()
         counted = cpu_memory.count_every_thread(False)
         report = live_at_peak(profiler, after_range=trial_rank.INIT_MARK) if counted else {"error": "no counter"}

@@ -12,9 +12,8 @@ Started by :mod:`launchers.trial.local` under ``torch.distributed.run`` (one pro
   batches are built before its clock starts — the loss of every attempted step (mean over ranks and
   micro-batches), the gradient norm, whether the step was applied and the fp16 loss scale after it
   (:mod:`optimizer.results.loss_scaling`: an overflowed step is skipped, its batch replayed, and not timed).
-  The model is built as ``plan["construction"]`` says (:mod:`launchers.models.construction`). CUDA ranks also
-  report the process's device use as the driver sees it, sampled at those check points
-  (:mod:`launchers.rank.device_memory`: ``device_used_*``, ``device_non_torch_*``; None on CPU ranks);
+  The model is built as ``plan["construction"]`` says (:mod:`launchers.models.construction`). CUDA ranks also report
+  the device use the driver sees at those check points (:mod:`launchers.rank.device_memory`; None on CPU ranks);
 * stopped over the budget (``plan["stop_above"]``, :class:`~optimizer.results.trial_result.StopAbove`): status
   ``over_budget``, the same report with what was measured until then (peaks as far as known, the losses and
   step times so far, ``init_s``), ``stopped_at`` (``"init"`` or ``"step N"``, N the 0-based attempted step after
@@ -55,6 +54,7 @@ from launchers.rank.cpu_info import install as keep_cpu_info
 from launchers.rank.cpu_memory import LivePeaks, start_cpu_profiler, stop_cpu_profiler
 from launchers.rank.device_identity import cuda_rank, device_identity
 from launchers.rank.device_memory import DeviceMemory
+from launchers.rank.lazy_compile import install as compile_muon_lazily
 from launchers.rank.orphan_guard import die_with_parent
 from launchers.rank.probe_rank import after_trial, write_report
 from optimizer.results.loss_scaling import StepKind, min_loss_scale, skip_allowance, step_kind
@@ -222,7 +222,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device_memory = DeviceMemory.open(cuda=cuda, index=local)  # before CUDA is touched: NVML's baseline
     import deepspeed
-
+    compile_muon_lazily()  # DeepSpeed's Muon kernels: compiled if ever called, not imported per engine (its doc)
     world = int(os.environ["WORLD_SIZE"])
     config = plan["config"]
     micro, accumulation = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]

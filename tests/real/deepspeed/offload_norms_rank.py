@@ -38,7 +38,7 @@ from torch._C._profiler import _EventType
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from launchers.models.builtin import build_workload
-from launchers.rank.cpu_memory import count_every_thread, start_cpu_profiler
+from launchers.rank.cpu_memory import CpuProfiler, count_every_thread, start_cpu_profiler
 
 NORM = "dsopt.norm"
 STEP = "dsopt.step"
@@ -65,7 +65,7 @@ def _walk(nodes: Any) -> Iterator[Any]:
         yield from _walk(node.children)
 
 
-def transients(profiler: torch.profiler.profile) -> dict[str, int]:
+def transients(profiler: CpuProfiler) -> dict[str, int]:
     """Per label (norm, step): the largest peak-minus-start of live bytes over its ranges; a step range ends where an
     all-gather inside it starts."""
     nodes = list(_walk(profiler.profiler.kineto_results.experimental_event_tree()))
