@@ -35,8 +35,8 @@ from typing import Any
 from launchers.probe.machine import cpu_model, machine_probe
 from launchers.trace.inventory import adapted_inventory
 from launchers.trace.study_traces import with_traced_activations
-from launchers.trial.reference_batches import losses_for
-from launchers.trial.run import check_devices, reference_losses, run_trial, trial_dir_for
+from launchers.trial.reference_batches import judge_for, kept_as_reference, losses_for
+from launchers.trial.run import check_devices, keep_reference, reference_losses, run_trial, trial_dir_for
 from optimizer.ledger.core import evaluate
 from optimizer.results.trial_result import loss_fidelity
 from optimizer.study.knobs import with_knobs
@@ -65,7 +65,7 @@ def write(out: Path, data: dict[str, object]) -> None:
 
 def judge_again(study: StudySpec, data: dict[str, Any], out: Path, reference: list[float]) -> int:
     """Every recorded candidate's loss fidelity again, from the losses its trial folder kept, against the reference
-    a study judges it by now (:func:`launchers.trial.reference_batches.losses_for`); the measurements stay."""
+    a study judges it by now (:func:`launchers.trial.reference_batches.judge_for`); the measurements stay."""
     base = baseline_candidate(study.training)
     for entry in data["candidates"]:
         if entry["outcome"] != "ok":
@@ -78,7 +78,10 @@ def judge_again(study: StudySpec, data: dict[str, Any], out: Path, reference: li
             print(f"{kept}: no losses of the run recorded for {entry['label']}; record the grid again",
                   file=sys.stderr)
             return 2
-        judged_by = losses_for(study, candidate, reference, say=lambda text: print(text, flush=True))
+        judge = judge_for(study, candidate)
+        if judge.own:  # the reference of its micro-batch: its kept losses are that reference, not launched again
+            keep_reference(judge.study, name=judge.name, candidate=candidate, losses=losses)
+        judged_by = losses if judge.own else losses_for(judge, reference, say=lambda text: print(text, flush=True))
         fidelity = loss_fidelity(losses, judged_by) if judged_by else None
         print(f"{entry['label']}: {entry['loss_fidelity']} -> {fidelity}", flush=True)
         entry["loss_fidelity"] = fidelity
@@ -129,8 +132,11 @@ def main() -> int:
         assert ledger is not None
         device = ledger.per_gpu()["total"]
         per_rank = ledger.host_bytes // ledger.ranks_per_node if ledger.device_is_host else device
+        judge = judge_for(study, candidate)  # its micro-batch's reference where dropout draws: launched first, or it
+        judged_by = None if judge.own else losses_for(judge, reference)
         start = time.monotonic()
-        result = run_trial(study=study, candidate=candidate, reference_losses=losses_for(study, candidate, reference))
+        result = kept_as_reference(judge, candidate, run_trial(study=study, candidate=candidate,
+                                                               reference_losses=judged_by))
         entry = {
             "label": candidate.label(), "knobs": candidate.knobs(), "outcome": result.outcome.value,
             "measured_peak_bytes": result.peak_memory_bytes, "training_peak_bytes": result.training_peak_memory_bytes,

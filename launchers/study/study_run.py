@@ -23,7 +23,7 @@ import optuna
 from launchers.study.artifacts import default_store_dir, uploader
 from launchers.study.op_prep import prepare_ops, study_candidates
 from launchers.study.progress import Progress, ProgressMode
-from launchers.trial.reference_batches import kept_as_reference, losses_for, own_reference
+from launchers.trial.reference_batches import judge_for, kept_as_reference, losses_for
 from launchers.trial.reference_trial import reference_as_trial
 from launchers.trial.run import (
     cached_reference_losses,
@@ -152,13 +152,12 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
         if runner is not None:
             return runner(candidate, losses)
         step = predicted_speed(candidate, spec=spec, models=state.models)  # calibrated once trials are measured
-        own = own_reference(stated, candidate)  # the FP32 reference of its micro-batch (dropout): judged by none
-        judged_by = None if own else losses_for(stated, candidate, losses, gpus=gpus, say=lambda t: _say(worker, t))
+        judge = judge_for(stated, candidate)  # the study's FP32 reference, or its micro-batch's where dropout draws
+        judged_by = None if judge.own else losses_for(judge, losses, gpus=gpus, say=lambda t: _say(worker, t))
         result = run_trial(study=spec, candidate=candidate, reference_losses=judged_by,
                            step_s=None if isinstance(step, str) else step.total_s, gpus=gpus,
                            stop_above=stop_above(spec, candidate, ledger=ledgers.get(candidate.label())))
-        if own:
-            result = kept_as_reference(stated, candidate, own, result)
+        result = kept_as_reference(judge, candidate, result)  # where its run is that reference
         say_profile_mismatch(spec, result, said=mismatch_said, worker=worker)
         say_script_model(spec, result, said=script_said, worker=worker)
         _, capacity = record_device(study, result)

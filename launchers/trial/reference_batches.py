@@ -13,7 +13,9 @@ the dropouts at 0 the same comparison gave 8.6e-8. ZeRO stages, offload, precisi
 at the reference's micro-batch the grid's fp32 candidates agreed to 0.0. So where the model draws random numbers
 in training, a candidate is judged against an FP32 reference at its own micro-batch size — one more reference launch
 per micro-batch size the study launches, cached as ``reference-mbs<k>.json`` beside the study's ``reference.json`` —
-or none where the candidate launched is that reference's own (:func:`own_reference`): its run is the reference.
+or none where the candidate launched is that reference's own (:attr:`Judge.own`): its run is the reference.
+:func:`judge_for` decides which, once per launch, for ``dsopt study run``, ``dsopt trial`` and
+``benchmarks/record_grid.py`` alike.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from launchers.trial.run import (
     ReferenceFailed,
@@ -57,44 +60,55 @@ def at_micro_batch(study: StudySpec, micro_batch_size: int) -> StudySpec:
     return dataclasses.replace(study, training=dataclasses.replace(study.training, micro_batch_size=micro_batch_size))
 
 
-def losses_for(study: StudySpec, candidate: Candidate, losses: list[float] | None, *,
-               gpus: Sequence[str] | None = None, say: Callable[[str], None] = lambda _text: None
-               ) -> list[float] | None:
-    """The reference losses ``candidate`` is judged against: ``losses`` (the study's reference) where its micro-batch
-    is the reference's or training draws no random numbers, else the reference at its own micro-batch size, cached or
-    launched now (module doc); None, said, where that reference fails (the fidelity is then unknown)."""
-    k = candidate.micro_batch_size
-    name = reference_name(study, k)
-    if name == "reference":
+@dataclass(frozen=True, slots=True)
+class Judge:
+    """The FP32 reference a candidate is judged against, decided once per launch (:func:`judge_for`)."""
+
+    name: str
+    """Its file and folder under the study's output: ``reference``, or ``reference-mbs<k>`` (module doc)."""
+    study: StudySpec
+    """The study whose FP32 reference it is: the study itself, or the study at the candidate's micro-batch size."""
+    own: bool
+    """The candidate is that reference's own candidate and the reference is not cached yet: the candidate's run is
+    the reference (:func:`kept_as_reference`), judged by nothing else."""
+
+
+def judge_for(study: StudySpec, candidate: Candidate, *, study_reference_held: bool = True) -> Judge:
+    """The reference ``candidate`` is judged against (module doc): the study's where its micro-batch is the
+    reference's or training draws no random numbers, else the one at its own micro-batch size.
+    ``study_reference_held``: the caller holds the study's own reference losses — a study ran it (or was given it)
+    in its setup, before any candidate, as ``record_grid.py`` does — so a candidate is never that reference's own;
+    ``dsopt trial`` holds none, and the reference's own candidate is then the reference."""
+    name = reference_name(study, candidate.micro_batch_size)
+    at = study if name == "reference" else at_micro_batch(study, candidate.micro_batch_size)
+    own = (not (study_reference_held and name == "reference") and candidate == reference_candidate(at)
+           and cached_reference_losses(at, name=name) is None)
+    return Judge(name=name, study=at, own=own)
+
+
+def losses_for(judge: Judge, losses: list[float] | None, *, gpus: Sequence[str] | None = None,
+               say: Callable[[str], None] = lambda _text: None) -> list[float] | None:
+    """The reference losses a candidate with this ``judge`` is judged against: ``losses`` (the study's reference,
+    which the caller has) where it is the study's, else the reference at the candidate's micro-batch size, cached or
+    launched now; None, said, where that reference fails (the fidelity is then unknown)."""
+    if judge.name == "reference":
         return losses
-    at = at_micro_batch(study, k)
-    if cached_reference_losses(at, name=name) is None:
+    k = judge.study.training.micro_batch_size
+    if cached_reference_losses(judge.study, name=judge.name) is None:
         say(f"the FP32 reference at micro-batch {k}: the model draws dropout masks per micro-batch, so a candidate is "
             "judged against the reference of its own micro-batch size")
     try:
-        return reference_losses(at, gpus=gpus, name=name)
+        return reference_losses(judge.study, gpus=gpus, name=judge.name)
     except ReferenceFailed as failed:
         say(f"{failed}; loss fidelity at micro-batch {k} is not computed")
         return None
 
 
-def own_reference(study: StudySpec, candidate: Candidate) -> str | None:
-    """The name of the reference ``candidate``'s own run would be — it is the FP32 reference of its micro-batch size,
-    another than the study's, not yet cached — or None (then :func:`losses_for` judges it)."""
-    name = reference_name(study, candidate.micro_batch_size)
-    if name == "reference":
-        return None
-    at = at_micro_batch(study, candidate.micro_batch_size)
-    if candidate != reference_candidate(at) or cached_reference_losses(at, name=name) is not None:
-        return None
-    return name
-
-
-def kept_as_reference(study: StudySpec, candidate: Candidate, name: str, result: TrialResult) -> TrialResult:
-    """``result`` of :func:`own_reference`'s candidate: where it trained, its losses cached as that reference and its
-    fidelity 0 (the reference itself, as the study's own reference run is its candidate's trial)."""
-    if result.outcome is not Outcome.OK or not result.losses:
+def kept_as_reference(judge: Judge, candidate: Candidate, result: TrialResult) -> TrialResult:
+    """``result`` of a candidate that is its ``judge``'s own (:attr:`Judge.own`): where it trained, its losses cached
+    as that reference and its fidelity 0 (the reference itself, as the study's own reference run is its candidate's
+    trial)."""
+    if not judge.own or result.outcome is not Outcome.OK or not result.losses:
         return result
-    keep_reference(at_micro_batch(study, candidate.micro_batch_size), name=name, candidate=candidate,
-                   losses=result.losses)
+    keep_reference(judge.study, name=judge.name, candidate=candidate, losses=result.losses)
     return dataclasses.replace(result, loss_fidelity=0.0)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 
 from optimizer.cli.common import checked_candidate, invalid_candidate, prepared_study, runnable_model
 from optimizer.ledger.core import evaluate
@@ -15,15 +14,8 @@ from optimizer.study.study_file import load_study
 
 
 def run(args: argparse.Namespace) -> int:
-    from launchers.trial.reference_batches import at_micro_batch, reference_name
-    from launchers.trial.run import (
-        ReferenceFailed,
-        check_devices,
-        reference_candidate,
-        reference_losses,
-        run_trial,
-        trial_dir_for,
-    )
+    from launchers.trial.reference_batches import judge_for, kept_as_reference
+    from launchers.trial.run import ReferenceFailed, check_devices, reference_losses, run_trial, trial_dir_for
 
     study = load_study(args.study)  # every input checked before the model is counted, traced or run
     runnable_model(study, what="run")
@@ -35,19 +27,17 @@ def run(args: argparse.Namespace) -> int:
     verdict = evaluate(candidate=candidate, **spec)
     if verdict.ledger is None:  # checked above; the inventory cannot make a valid candidate invalid
         raise invalid_candidate(study, candidate, verdict.invalid_reasons, sets=args.set)
-    # judged against the FP32 reference at its own micro-batch where dropout draws masks per micro-batch
-    name = reference_name(study, candidate.micro_batch_size)
-    judged_by = study if name == "reference" else at_micro_batch(study, candidate.micro_batch_size)
+    # judged against the FP32 reference at its own micro-batch where dropout draws masks per micro-batch; the
+    # reference's own candidate, not cached yet, is the reference: its run is kept as it
+    judge = judge_for(study, candidate, study_reference_held=False)
     reference = None
-    own_reference = candidate == reference_candidate(judged_by)
-    if not own_reference:
+    if not judge.own:
         try:
-            reference = reference_losses(judged_by, gpus=gpus, name=name)
+            reference = reference_losses(judge.study, gpus=gpus, name=judge.name)
         except ReferenceFailed as failed:
             print(f"dsopt: warning: {failed}; loss fidelity is not computed", file=sys.stderr)
-    result = run_trial(study=study, candidate=candidate, reference_losses=reference, gpus=gpus)
-    if own_reference and result.losses:
-        result = replace(result, loss_fidelity=0.0)  # the FP32 reference itself
+    result = kept_as_reference(judge, candidate, run_trial(study=study, candidate=candidate,
+                                                           reference_losses=reference, gpus=gpus))
     data = trial_json(result=result, ledger=verdict.ledger, tolerance=study.trial.tolerance(candidate.precision),
                       trial_dir=str(trial_dir_for(study, candidate)), study=study.name)
     print(json.dumps(data, indent=2) if args.json else trial_table(data))

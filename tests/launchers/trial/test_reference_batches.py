@@ -14,9 +14,9 @@ import pytest
 from launchers.trial.reference_batches import (
     at_micro_batch,
     draws_random,
+    judge_for,
     kept_as_reference,
     losses_for,
-    own_reference,
     reference_name,
 )
 from launchers.trial.run import reference_candidate, reference_key
@@ -59,7 +59,9 @@ def test_without_dropout_or_at_the_reference_micro_batch_the_study_reference_jud
         study = _study(tmp_path, name)
         candidate = with_knobs(baseline_candidate(study.training), {"zero_stage": 1, "micro_batch_size": micro_batch})
         given = [5.0, 4.9]
-        assert losses_for(study, candidate, given) is given  # nothing launched: no reference-mbs file appears
+        judge = judge_for(study, candidate)
+        assert judge.name == "reference" and judge.study is study and not judge.own
+        assert losses_for(judge, given) is given  # nothing launched: no reference-mbs file appears
         assert not list(study.output_dir.glob("reference-mbs*")) if study.output_dir.exists() else True
 
 
@@ -73,7 +75,7 @@ def test_another_micro_batch_reads_its_own_cached_reference_under_its_key(tmp_pa
     (study.output_dir / "reference-mbs4.json").write_text(json.dumps({"key": reference_key(at), "losses": [5.5, 5.4]}))
     candidate = with_knobs(baseline_candidate(study.training), {"zero_stage": 2, "micro_batch_size": 4})
     said: list[str] = []
-    assert losses_for(study, candidate, [9.0], say=said.append) == [5.5, 5.4]
+    assert losses_for(judge_for(study, candidate), [9.0], say=said.append) == [5.5, 5.4]
     assert said == []  # cached: no launch announced
 
 
@@ -83,13 +85,17 @@ def test_the_reference_candidate_of_another_micro_batch_is_its_own_reference(tmp
     base = baseline_candidate(study.training)
     own = with_knobs(base, {"micro_batch_size": 1})  # z0 fp32 ckpt=none mbs=1: the mbs-1 reference's candidate
     assert reference_candidate(at_micro_batch(study, 1)) == own
-    assert own_reference(study, own) == "reference-mbs1"
-    assert own_reference(study, with_knobs(own, {"zero_stage": 1})) is None  # judged by it, not it
-    assert own_reference(study, base) is None  # the study's own reference: reference_as_trial's
-    result = kept_as_reference(study, own, "reference-mbs1",
-                               TrialResult(outcome=Outcome.OK, losses=(5.5, 5.4), loss_fidelity=None))
+    judge = judge_for(study, own)
+    assert (judge.name, judge.study.training.micro_batch_size, judge.own) == ("reference-mbs1", 1, True)
+    assert not judge_for(study, with_knobs(own, {"zero_stage": 1})).own  # judged by it, not it
+    assert not judge_for(study, base).own  # the study's own reference: a study runs it in its setup
+    held_by_none = judge_for(study, base, study_reference_held=False)  # dsopt trial: its run is the reference
+    assert (held_by_none.name, held_by_none.study, held_by_none.own) == ("reference", study, True)
+    result = kept_as_reference(judge, own, TrialResult(outcome=Outcome.OK, losses=(5.5, 5.4), loss_fidelity=None))
     assert result.loss_fidelity == 0.0
-    assert losses_for(study, with_knobs(own, {"zero_stage": 1}), [9.0]) == [5.5, 5.4]  # cached under its key
-    assert own_reference(study, own) is None  # kept: its next launch is judged like any other
+    assert losses_for(judge_for(study, with_knobs(own, {"zero_stage": 1})), [9.0]) == [5.5, 5.4]  # cached, its key
+    assert not judge_for(study, own).own  # kept: its next launch is judged like any other
     failed = TrialResult(outcome=Outcome.OOM, loss_fidelity=None)
-    assert kept_as_reference(study, with_knobs(own, {"zero_stage": 2}), "reference-mbs1", failed) is failed
+    assert kept_as_reference(judge, own, failed) is failed
+    judged = TrialResult(outcome=Outcome.OK, losses=(5.5, 5.4), loss_fidelity=1e-8)
+    assert kept_as_reference(judge_for(study, with_knobs(own, {"zero_stage": 1})), own, judged) is judged

@@ -19,7 +19,7 @@ from trial_processes import trial_processes
 
 from launchers.models.builtin import build_model
 from launchers.trial.local import LAUNCH_ID_VAR
-from launchers.trial.reference_batches import losses_for
+from launchers.trial.reference_batches import judge_for, losses_for
 from launchers.trial.run import reference_losses, run_trial
 from optimizer.results.trial_result import Outcome, loss_fidelity
 from optimizer.study.knobs import with_knobs
@@ -206,7 +206,7 @@ def test_with_dropout_a_candidate_is_judged_against_the_reference_of_its_micro_b
     assert study.training.micro_batch_size == 2
     base = reference_losses(study)
     candidate = with_knobs(baseline_candidate(study.training), {"zero_stage": 1, "micro_batch_size": 1})
-    judged = losses_for(study, candidate, base)
+    judged = losses_for(judge_for(study, candidate), base)
     assert (study.output_dir / "reference-mbs1.json").is_file() and judged != base
     result = run_trial(study=study, candidate=candidate, reference_losses=judged)
     assert result.outcome is Outcome.OK
