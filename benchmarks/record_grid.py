@@ -132,7 +132,7 @@ def main() -> int:
         assert ledger is not None
         device = ledger.per_gpu()["total"]
         per_rank = ledger.host_bytes // ledger.ranks_per_node if ledger.device_is_host else device
-        judge = judge_for(study, candidate)  # its micro-batch's reference where dropout draws: launched first, or it
+        judge = judge_for(study, candidate)  # where dropout draws: its micro-batch's reference, launched first or it
         judged_by = None if judge.own else losses_for(judge, reference)
         start = time.monotonic()
         result = kept_as_reference(judge, candidate, run_trial(study=study, candidate=candidate,

@@ -7,7 +7,7 @@ DeepSpeed 0.19.8 imports its Muon optimizer module whenever a ZeRO engine is bui
 (``runtime/zero/muon/original_muon.py:50, 81, 189``), which is ``torch.compile(fn)`` at import time
 (``runtime/compiler.py:125-129``), and ``torch.compile`` imports ``torch._dynamo`` and ``torch._inductor`` before it
 returns (torch 2.13 ``__init__.py``: ``get_default_backend``, ``_TorchCompileInductorWrapper``). Measured on a 2-core
-CPU machine: 3.7 s per rank, about a quarter of a small trial's launch (docs/trials.md, "Where a launch's time goes"),
+CPU machine: 3.7 s per rank, about a quarter of a small trial's launch (docs/trials.md, "No compiler imported"),
 spent on kernels that run only when the optimizer is Muon — never in dsopt's own trial, whose optimizer is the
 study's Adam/AdamW.
 
