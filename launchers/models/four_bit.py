@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from launchers.models.deferred_compile import import_deferring_compile
 from launchers.models.setup_error import TrainableSetupError
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ def quantize_(model: nn.Module, fields: dict[str, Any], *, device: Any) -> int:
     quant_type, quant_storage)``; a ``Conv1D`` weight is transposed first). The count replaced. TrainableSetupError
     without bitsandbytes."""
     try:
-        import bitsandbytes as bnb
+        bnb = import_deferring_compile("bitsandbytes")  # its kernels compiled where first run (deferred_compile.py)
     except ImportError:
         raise TrainableSetupError("model.quantization", "needs the bitsandbytes package (pip install "
                                   "bitsandbytes)") from None

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from launchers.models.deferred_compile import import_deferring_compile
+
 BETA = 0.1
 """The anchor's weight in dsopt's objective with a reference (module doc)."""
 
@@ -49,7 +51,7 @@ def reference_config(ds_config: dict[str, Any]) -> dict[str, Any]:
 def peft_model_of(model: nn.Module) -> Any | None:
     """The ``peft.PeftModel`` inside ``model`` (dsopt's wrapper holds it as ``.inner``), or None."""
     try:
-        import peft
+        peft = import_deferring_compile("peft")  # not bitsandbytes' compiler (launchers/models/deferred_compile.py)
     except ImportError:
         return None
     return next((m for m in model.modules() if isinstance(m, peft.PeftModel)), None)

@@ -19,6 +19,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from launchers.models.deferred_compile import import_deferring_compile
 from launchers.models.setup_error import TrainableSetupError
 from optimizer.study.peft_section import frozen_by, unmatched_patterns
 
@@ -51,7 +52,7 @@ def lora_config(fields: dict[str, Any], *, causal_lm: bool) -> Any:
     """``peft.LoraConfig`` of the study's checked fields (``task_type`` only for a transformers model, whose
     PEFT wrapper is ``PeftModelForCausalLM``; dsopt's GPT and an entry point's model get the plain wrapper)."""
     try:
-        import peft
+        peft = import_deferring_compile("peft")  # not bitsandbytes' compiler (launchers/models/deferred_compile.py)
     except ImportError:
         raise TrainableSetupError("model.peft", "needs the peft package (pip install peft)") from None
     settings = dict(fields)
@@ -98,8 +99,9 @@ def add_adapters(model: nn.Module, fields: dict[str, Any], *, as_deepspeed_casts
     (``engine.py:1859-1862``). ``as_deepspeed_casts``: make them in the model's dtype at once, as they train under
     DeepSpeed — for the fake-tensor trace, which has no engine to cast them (else every adapter's fp32 input copy
     would be counted as kept for backward)."""
-    import peft
     from torch import nn
+
+    peft = import_deferring_compile("peft")
 
     base = _base(model)
     config = lora_config(fields, causal_lm=base is not model)

@@ -13,7 +13,8 @@ study's Adam/AdamW.
 
 ``torch.compile`` itself compiles on the first call; only its imports are eager. :func:`install` (run by
 :mod:`launchers.rank.trial_rank` after importing DeepSpeed) makes ``deepspeed.runtime.compiler.compile()`` — used by
-those three decorators and nowhere else in DeepSpeed 0.19.8 — return :func:`compiled_on_first_call`, which calls the
+those three decorators and nowhere else in DeepSpeed 0.19.8 — return
+:func:`~launchers.models.deferred_compile.compiled_on_first_call`, which calls the
 same ``torch.compile(fn)`` on the function's first call and that compiled function ever after. Nothing else changes:
 no tensor is allocated by those imports (checked with the live-tensor counter of
 :mod:`launchers.rank.cpu_memory`), so the measured peaks are the same; the trial's ``init_s`` no longer holds
@@ -23,29 +24,14 @@ its DeepSpeed is left as it is.
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from launchers.models.deferred_compile import compiled_on_first_call
+
 MUON_MODULE = "deepspeed.runtime.zero.muon.original_muon"
 """The module whose kernels DeepSpeed decorates with ``compiler.compile()`` (module doc)."""
-
-
-def compiled_on_first_call(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` compiled by ``torch.compile(fn)`` when first called (torch and its compiler imported then), that
-    compiled function called from then on."""
-    compiled: list[Callable[..., Any]] = []
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if not compiled:
-            import torch
-
-            compiled.append(torch.compile(fn))
-        return compiled[0](*args, **kwargs)
-
-    return call
 
 
 def _compile() -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from launchers.models.builtin import build_workload
 from launchers.models.reference import anchored, reference_engine, reference_forward
+from launchers.rank.collector import no_collection_at_exit
 from launchers.rank.cpu_info import install as keep_cpu_info
 from launchers.rank.cpu_memory import LivePeaks, start_cpu_profiler, stop_cpu_profiler
 from launchers.rank.device_identity import cuda_rank, device_identity
@@ -63,8 +64,8 @@ from optimizer.results.trial_result import INIT_STOP, OVER_BUDGET, StopAbove
 UNSUPPORTED_MARK = "is not supported on your device"
 """DeepSpeed engine.py: ``raise ValueError("Type fp16 is not supported on your device.")``."""
 CPU_OOM_MARK = "DefaultCPUAllocator: can't allocate memory"
-"""c10/core/impl/alloc_cpu.cpp: ``"DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes.
-Error code 12 (Cannot allocate memory)"`` — host memory."""
+"""c10/core/impl/alloc_cpu.cpp: ``"DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes. Error
+code 12 (Cannot allocate memory)"`` — host memory."""
 HOST_OOM_MARKS = (
     CPU_OOM_MARK,
     # strerror(ENOMEM): a failed mmap / mlock / posix_memalign — pinning host memory (DeepSpeed's pinned
@@ -90,10 +91,10 @@ DEVICE_OOM_MARKS = (
 )
 """Texts of device-allocation failures."""
 NCCL_CUDA_OOM = re.compile(r"Cuda failure (?:\d+ )?'out of memory'")
-"""NCCL's last error after a failed CUDA allocation — src/include/checks.h CUDACHECK ``"Cuda failure '%s'"``
-(runtime API), src/include/cudawrap.h CUCHECK ``"Cuda failure %d '%s'"`` (driver API) — which torch appends to
-its ``DistBackendError`` ("NCCL error in: ..., unhandled cuda error ... ncclUnhandledCudaError: Call to CUDA
-function failed.\nLast error:\n...", torch/csrc/distributed/c10d/NCCLUtils getNcclErrorDetailStr)."""
+"""NCCL's last error after a failed CUDA allocation — src/include/checks.h CUDACHECK ``"Cuda failure '%s'"`` (runtime
+API), src/include/cudawrap.h CUCHECK ``"Cuda failure %d '%s'"`` (driver API) — which torch appends to its
+``DistBackendError`` ("NCCL error in: ..., unhandled cuda error ... ncclUnhandledCudaError: Call to CUDA function
+failed.\nLast error:\n...", torch/csrc/distributed/c10d/NCCLUtils getNcclErrorDetailStr)."""
 CUDA_ERROR_MEMORY_ALLOCATION = 2
 """``cudaErrorMemoryAllocation`` (CUDA runtime driver_types.h): ``torch.AcceleratorError.error_code`` of an
 allocation that ``C10_CUDA_CHECK`` saw fail (torch/csrc/Exceptions.cpp _new_accelerator_error_object)."""
@@ -106,7 +107,6 @@ INIT_MARK = "dsopt.init"
 """The profiler range around model construction and ``deepspeed.initialize``: the init phase."""
 BUILD_MARK = "dsopt.build"
 """The profiler range around model construction alone."""
-
 
 STOP_CODES = {"training": 1, "init": 2}
 """A rank's verdict at a check point, all-reduced with MAX: 0 go on, 1 training over its limit, 2 the init phase."""
@@ -354,8 +354,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
         "node_rank": int(os.environ.get("GROUP_RANK", "0")),  # torchrun's agent (node) rank
         "host": socket.gethostname(),
         "status": "ok" if stopped_at is None else OVER_BUDGET,
-        "stopped_at": stopped_at,
-        "over_limit": over,
+        "stopped_at": stopped_at, "over_limit": over,
         "device": "cuda" if cuda else "cpu",
         **device_identity(cuda=cuda),  # device_name, device_total_bytes: None on CPU ranks
         "construction": construction,
@@ -394,6 +393,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
 
 def main() -> int:
     die_with_parent(signal.SIGKILL)  # torchrun SIGKILLed: its ranks go too (launchers/rank/orphan_guard.py)
+    no_collection_at_exit()  # the report written, no full collection of the heap (launchers/rank/collector.py)
     keep_cpu_info()  # DeepSpeed asks py-cpuinfo once per node, not twice per rank (launchers/rank/cpu_info.py)
     plan, out_dir = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     rank = int(os.environ.get("RANK", "0"))

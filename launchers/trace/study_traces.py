@@ -23,6 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from launchers.rank.collector import for_planning
 from launchers.trace.cache_dir import cache_dir, source_digest
 from launchers.trace.json_cache import KeyedJsonStore
 from optimizer.deepspeed.versions import installed_version, installed_versions
@@ -246,7 +247,7 @@ def fill(cache: TraceCache, jobs: Sequence[dict[str, Any]], *, workers: int | No
     from concurrent.futures import ProcessPoolExecutor
 
     context = multiprocessing.get_context("spawn")  # never fork a process that may hold torch's threads
-    with ProcessPoolExecutor(max_workers=count, mp_context=context) as pool:
+    with ProcessPoolExecutor(max_workers=count, mp_context=context, initializer=for_planning) as pool:
         entries = pool.map(_traced_entry, [cache.study_folder] * len(jobs), jobs)
         for job, entry in zip(jobs, entries, strict=True):
             cache.store.put(cache.key(**job), entry)

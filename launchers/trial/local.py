@@ -108,7 +108,7 @@ def build_launch_plan(
     node_cpus = cpu_count if nodes == 1 else (cpus_per_task or cpu_count)
     if nodes == 1:
         argv: tuple[str, ...] = (
-            python, "-m", "torch.distributed.run",
+            python, "-m", "launchers.rank.collector", "torch.distributed.run",  # no full collection at its exit
             "--nnodes", "1", "--nproc_per_node", str(ranks),
             "--master_addr", "127.0.0.1", "--master_port", str(master_port), *trial_args,
         )
@@ -118,7 +118,7 @@ def build_launch_plan(
             srun, f"--nodes={hosts}", f"--ntasks={nodes}", f"--ntasks-per-node={-(-nodes // hosts)}",
             f"--cpus-per-task={node_cpus}", "--kill-on-bad-exit=1", "--export=ALL",
             f"--job-name=dsopt-trial-{launch_id[:8]}",
-            python, "-m", "torch.distributed.run",
+            python, "-m", "launchers.rank.collector", "torch.distributed.run",
             "--nnodes", str(nodes), "--nproc_per_node", str(ranks),
             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{head_host}:{master_port}", "--rdzv_id", launch_id,
             *trial_args,

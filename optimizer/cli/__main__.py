@@ -2,6 +2,6 @@
 
 import sys
 
-from optimizer.cli import main
+from optimizer.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

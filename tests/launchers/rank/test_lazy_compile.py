@@ -1,5 +1,6 @@
 """DeepSpeed's Muon kernels compiled on first call, and the CPU profiler started without torch's compiler imports
-(launchers/rank/lazy_compile.py, launchers/rank/cpu_memory.py): a rank no longer imports ``torch._inductor``."""
+(launchers/rank/lazy_compile.py, launchers/rank/cpu_memory.py): a rank no longer imports ``torch._inductor``. The
+deferral itself is tested in tests/launchers/models/test_deferred_compile.py."""
 
 from __future__ import annotations
 
@@ -10,30 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-import torch
-
-from launchers.rank import lazy_compile
-
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def test_a_kernel_is_compiled_by_torch_compile_on_its_first_call_only(monkeypatch):
-    compiled: list[object] = []
-
-    def spy_compile(fn):  # torch.compile's own work is torch's; what it is given and when is ours
-        compiled.append(fn)
-        return lambda *args, **kwargs: ("compiled", fn(*args, **kwargs))
-
-    def kernel(x, *, scale):
-        """A kernel's own docstring."""
-        return x * scale
-
-    monkeypatch.setattr(torch, "compile", spy_compile)
-    lazy = lazy_compile.compiled_on_first_call(kernel)
-    assert compiled == [] and lazy.__doc__ == kernel.__doc__ and lazy.__wrapped__ is kernel
-    assert lazy(3, scale=2) == ("compiled", 6)
-    assert lazy(4, scale=1) == ("compiled", 4)
-    assert compiled == [kernel]  # compiled once, the compiled function called both times
 
 
 def _fresh(code: str) -> dict:

@@ -24,10 +24,9 @@ def test_launch_plan_snapshot():
                              plan_path=Path("/t/plan.json"), out_dir=Path("/t"), base_env={"PATH": "/bin"},
                              pythonpath=["/repo", "/studies"], cwd=Path("/repo"), cpu_count=2, launch_id="abc",
                              extensions_dir=Path("/venv/torch_extensions"))
-    assert plan.argv == ("/venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
-                         "2", "--master_addr", "127.0.0.1", "--master_port", "29511", "-m",
-                         "launchers.rank.trial_rank",
-                         "/t/plan.json", "/t")
+    assert plan.argv == ("/venv/bin/python", "-m", "launchers.rank.collector", "torch.distributed.run", "--nnodes",
+                         "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", "29511", "-m",
+                         "launchers.rank.trial_rank", "/t/plan.json", "/t")
     assert plan.env == {"PATH": "/bin", "PYTHONUNBUFFERED": "1", "PYTHONPATH": "/repo:/studies",
                         "OMP_NUM_THREADS": "1", "TORCHELASTIC_ERROR_FILE": "/t/elastic_error.json",
                         LAUNCH_ID_VAR: "abc", "TORCH_EXTENSIONS_DIR": "/venv/torch_extensions",

@@ -1,0 +1,68 @@
+"""Python's cyclic garbage collector in dsopt's own processes: fewer collections where no real memory is measured,
+and none at the exit of any of them.
+
+Two costs of CPython 3.11's collector (``Modules/gcmodule.c``), both paid by every process that imports torch,
+DeepSpeed, transformers and PEFT — hundreds of thousands of long-lived module objects:
+
+* **While it imports and plans.** A young collection runs every 700 net allocations (``gc.get_threshold()``'s
+  default), and every 100 of them a full one walks the whole heap. Importing peft, transformers, torch._dynamo and
+  DeepSpeed ran 1,185 collections, 2.2 s of 11 s on this project's 2-core machine (measured with ``gc.callbacks``).
+* **At its exit.** ``Py_FinalizeEx`` runs one more full collection (``_PyGC_CollectNoFail`` in
+  ``finalize_modules``), ~2 s in a process that imported the compiler stack, 0.6 s after ``import torch`` alone.
+  ``gc.freeze()`` first moves every object into the permanent generation, which no collection walks: the exit
+  takes ~0.3 s. What runs at exit is unchanged — ``atexit`` handlers and ``weakref.finalize`` callbacks (the
+  temporary folders, the multiprocessing pools) run before it; only objects that nothing but a reference cycle
+  holds are left to the operating system instead of being collected.
+
+A trial's rank keeps the default thresholds: its live-tensor peak (:mod:`launchers.rank.cpu_memory`) must be the
+one a run without dsopt has, and a tensor held by a reference cycle is freed when a collection finds it. It only
+freezes at exit, after its report is written (:func:`no_collection_at_exit`). Processes that measure no real
+tensor — the ``dsopt`` command itself (planning, the study loop, tracing on fake tensors in its own process) and the
+trace workers — also collect less often (:func:`for_planning`). A trial's launcher, torchrun, is started as
+``python -m launchers.rank.collector torch.distributed.run ARGS`` (:func:`main`): torchrun's own code, no collection
+at its exit, which a trial waits for. A user's script trial is left as it is (its hook ends the process with
+``os._exit`` already: :mod:`launchers.rank.script_hook`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import runpy
+import sys
+
+PLANNING_THRESHOLDS = (20_000, 20, 20)
+"""``gc.set_threshold`` in a planning process: a young collection every 20,000 net allocations instead of 700,
+a full one after 400 of them instead of 100 — the import of the stack above ran 45 collections (0.7 s), none full,
+and the same plan came out byte for byte (docs/benchmarks.md, "Where a plan's seconds go")."""
+
+_registered = False
+
+
+def no_collection_at_exit() -> None:
+    """Freeze every object when the interpreter exits (an ``atexit`` handler: they all run before the final
+    collection), so that its final full collection walks nothing. Idempotent."""
+    global _registered
+    if not _registered:
+        atexit.register(gc.freeze)
+        _registered = True
+
+
+def for_planning() -> None:
+    """A process that measures no real memory: :data:`PLANNING_THRESHOLDS`, and no collection at exit."""
+    gc.set_threshold(*PLANNING_THRESHOLDS)
+    no_collection_at_exit()
+
+
+def main(argv: list[str]) -> None:
+    """``MODULE ARGS...``: run MODULE as ``python -m MODULE ARGS...`` does (``runpy``, ``sys.argv`` its own), with
+    no collection at exit; its exit status is the process's."""
+    if not argv:
+        sys.exit("usage: python -m launchers.rank.collector MODULE ARGS...")
+    no_collection_at_exit()
+    sys.argv = [argv[0], *argv[1:]]
+    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

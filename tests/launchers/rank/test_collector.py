@@ -1,0 +1,59 @@
+"""The garbage collector in dsopt's own processes (launchers/rank/collector.py): a module started through
+``python -m launchers.rank.collector`` (a trial's torchrun) keeps its arguments and exit status and skips the final
+collection at exit; the ``dsopt`` entry point collects less often and skips it too. Each is checked against a
+control that does collect at exit, so the checks can fail."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from launchers.rank.collector import PLANNING_THRESHOLDS
+
+ROOT = Path(__file__).resolve().parents[3]
+CYCLE = '''import gc, sys
+from pathlib import Path
+{setup}
+gc.disable()  # the cycle below is left for the collection at exit
+class Node:
+    def __del__(self):
+        self.write("collected at exit")
+node = Node(); node.write = Path(sys.argv[1]).write_text; node.self = node; del node
+print("args", sys.argv[1:], "thresholds", gc.get_threshold())
+sys.exit(int(sys.argv[2]))
+'''
+"""A module whose only unreachable object is a reference cycle with a finalizer: the interpreter's final collection
+runs it (writing ``argv[1]``); a frozen heap leaves it to the operating system."""
+
+
+def _run(tmp_path: Path, *args: str, setup: str = "") -> subprocess.CompletedProcess[str]:
+    (tmp_path / "cycle.py").write_text(CYCLE.format(setup=setup))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, check=False,
+                          cwd=tmp_path, env=env)
+
+
+def test_a_module_run_through_it_keeps_its_arguments_and_exit_status_and_is_not_collected_at_exit(tmp_path):
+    control = _run(tmp_path, "-m", "cycle", str(tmp_path / "control.txt"), "0")
+    assert control.returncode == 0 and (tmp_path / "control.txt").read_text() == "collected at exit"
+    run = _run(tmp_path, "-m", "launchers.rank.collector", "cycle", str(tmp_path / "run.txt"), "3", "--flag")
+    assert run.returncode == 3, run.stderr
+    assert f"args ['{tmp_path / 'run.txt'}', '3', '--flag']" in run.stdout, run.stdout
+    assert not (tmp_path / "run.txt").exists()  # the default thresholds kept: it measures nothing, it only exits
+    assert "thresholds (700, 10, 10)" in run.stdout, run.stdout
+
+
+def test_without_a_module_it_is_a_usage_error(tmp_path):
+    run = _run(tmp_path, "-m", "launchers.rank.collector")
+    assert run.returncode == 1 and "usage: python -m launchers.rank.collector MODULE" in run.stderr, run.stderr
+
+
+def test_the_dsopt_entry_point_plans_with_fewer_collections_and_none_at_exit(tmp_path):
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["dsopt"] == "optimizer.cli:entry"
+    entry = "from optimizer import cli; cli.main = lambda: 0; cli.entry()"
+    run = _run(tmp_path, "-m", "cycle", str(tmp_path / "run.txt"), "0", setup=entry)
+    assert f"thresholds {PLANNING_THRESHOLDS}" in run.stdout and not (tmp_path / "run.txt").exists(), run.stdout
