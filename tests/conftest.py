@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,6 +66,37 @@ def shared_extensions_dir() -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCH_EXTENSIONS_DIR", str(folder))
         yield folder
+
+
+@pytest.fixture(autouse=True, scope="session")
+def ops_built_in_background(request, shared_extensions_dir, tmp_path_factory) -> Iterator[subprocess.Popen | None]:
+    """DeepSpeed's JIT-built ops — minutes of compiling on 2 cores in a fresh clone — built from the session's start
+    in a background process at a low priority (``python tests/ops_study.py``: dsopt's own op preparation, under its
+    node lock), while the tests that need none run; only where the session runs a ``slow`` test. A study that needs
+    them waits on the node lock (launchers/ops/build_locks.py); a test under tests/real/ waits for the process
+    (:func:`real_runs_after_the_op_build`). Its output: ``session-ops*/build.log`` in pytest's temporary folder."""
+    if not any(item.get_closest_marker("slow") for item in request.session.items):
+        yield None
+        return
+    folder = tmp_path_factory.mktemp("session-ops")
+    with (folder / "build.log").open("w") as log:
+        process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "ops_study.py"), str(folder)], cwd=ROOT,
+                                   stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])})
+    yield process
+    try:
+        process.wait(timeout=1800)  # never left building: an op's lock must not outlive the session
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(autouse=True)
+def real_runs_after_the_op_build(request, ops_built_in_background) -> None:
+    """A test under tests/real/ starts once the session's op build is over (a trial run without a study's op
+    preparation would otherwise build inside its timeout, or wait on torch's own build lock)."""
+    if ops_built_in_background is not None and request.node.nodeid.startswith("tests/real/"):
+        ops_built_in_background.wait()
 
 
 @pytest.fixture(autouse=True)

@@ -1,19 +1,18 @@
 """Ops before clocks (launchers/ops/op_needs.py, op_prep.py, op_load.py): which DeepSpeed ops each candidate needs, the
 one build per node outside the trials' clocks, and a missing op: one message, its candidates invalid, never
 launched, never a crash — exit 2 when it rules out everything. The build subprocess is replaced by one that writes
-its report (no DeepSpeed) except in the ``slow`` tests, which build or load DeepSpeed's real ops."""
+its report (no DeepSpeed); DeepSpeed's real builders are tested in tests/real/deepspeed/test_op_build_real.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import threading
 import time
 from pathlib import Path
 
 import pytest
-import yaml
+from ops_study import ops_study
 
 import launchers.study.op_prep as op_prep
 from launchers.ops.op_load import load_op
@@ -22,7 +21,6 @@ from launchers.trial.local import Execution
 from optimizer.study.errors import UserError
 from optimizer.study.knobs import OffloadDevice, ZeroStage
 from optimizer.study.specs import Accelerator, baseline_candidate
-from optimizer.study.study_file import StudySpec, load_study
 
 ROOT = Path(__file__).resolve().parents[3]
 NONE, CPU, NVME = OffloadDevice.NONE, OffloadDevice.CPU, OffloadDevice.NVME
@@ -34,22 +32,6 @@ def _nothing_missing():
     yield
     for accelerator in Accelerator:
         note_missing(accelerator, {})
-
-
-def _study(folder: Path, *, nvme: bool = False, offload_optimizer=("none", "cpu"), accelerator: str = "cpu"
-           ) -> StudySpec:
-    raw = yaml.safe_load((ROOT / "studies" / "cpu-tiny.yaml").read_text())
-    knobs = raw["search_space"]["knobs"]
-    knobs["offload_optimizer"] = list(offload_optimizer)
-    raw["hardware"]["accelerator"] = accelerator
-    raw["model"]["activations"] = "formula"  # no trace: the ops are under test, not the ledger
-    if nvme:
-        (folder / "nvme").mkdir(exist_ok=True)
-        raw["hardware"]["nvme_path"] = str(folder / "nvme")
-        knobs["offload_param"] = ["none", "nvme"]
-    path = folder / "cpu-tiny.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return load_study(path)
 
 
 @pytest.mark.parametrize(("accelerator", "optimizer", "param", "ops"), [
@@ -77,7 +59,7 @@ def test_the_ops_a_search_space_needs(tmp_path, nvme, offload, accelerator, name
     from launchers.ops.op_needs import ops_needed
     from launchers.trial.run import reference_candidate
 
-    spec = _study(tmp_path, nvme=nvme, offload_optimizer=offload, accelerator=accelerator)
+    spec = ops_study(tmp_path, nvme=nvme, offload_optimizer=offload, accelerator=accelerator)
     wanted = ops_needed([*op_prep.study_candidates(spec), reference_candidate(spec)],
                         accelerator=spec.hardware.accelerator)
     assert [op.name for op in wanted] == names
@@ -146,7 +128,7 @@ def _fake_build(monkeypatch, tmp_path: Path, statuses: dict[str, str], calls: li
 def test_one_build_before_the_trials_in_the_trials_environment(tmp_path, monkeypatch):
     from launchers.trial.local import extensions_dir
 
-    spec = _study(tmp_path)
+    spec = ops_study(tmp_path)
     calls: list = []
     said: list[str] = []
     _fake_build(monkeypatch, tmp_path, {}, calls)
@@ -162,7 +144,7 @@ def test_one_build_before_the_trials_in_the_trials_environment(tmp_path, monkeyp
 def test_a_missing_op_is_one_message_and_its_candidates_are_invalid_not_launched(tmp_path, monkeypatch):
     from launchers.trial import run as trial
 
-    spec = _study(tmp_path, nvme=True, offload_optimizer=("none", "cpu", "nvme"))
+    spec = ops_study(tmp_path, nvme=True, offload_optimizer=("none", "cpu", "nvme"))
     said: list[str] = []
     _fake_build(monkeypatch, tmp_path, {"AsyncIOBuilder": "missing"})
     narrowed = op_prep.prepare_ops(spec=spec, gpus=None, worker="w0", say=said.append)
@@ -188,7 +170,7 @@ def test_a_missing_op_is_one_message_and_its_candidates_are_invalid_not_launched
 def test_an_op_that_rules_out_every_candidate_stops_the_command_with_exit_2(tmp_path, monkeypatch, capsys):
     from optimizer.cli import main
 
-    spec = _study(tmp_path, offload_optimizer=("none", "cpu"))
+    spec = ops_study(tmp_path, offload_optimizer=("none", "cpu"))
     _fake_build(monkeypatch, tmp_path, {"FusedAdamBuilder": "missing", "CPUAdamBuilder": "missing"})
     with pytest.raises(UserError, match="every one of the"):
         op_prep.prepare_ops(spec=spec, gpus=None, worker="w0", say=lambda text: None)
@@ -200,7 +182,7 @@ def test_an_op_that_rules_out_every_candidate_stops_the_command_with_exit_2(tmp_
 
 
 def test_a_missing_op_the_reference_needs_stops_before_it(tmp_path, monkeypatch):
-    spec = _study(tmp_path, offload_optimizer=("none", "cpu"))  # the reference: z0 fp32 without offload
+    spec = ops_study(tmp_path, offload_optimizer=("none", "cpu"))  # the reference: z0 fp32 without offload
     _fake_build(monkeypatch, tmp_path, {"FusedAdamBuilder": "missing"})
     with pytest.raises(UserError, match="the FP32 reference"):
         op_prep.prepare_ops(spec=spec, gpus=None, worker="w0", say=lambda text: None)
@@ -214,7 +196,7 @@ def test_a_study_records_a_proposal_that_needs_a_missing_op_as_invalid(tmp_path,
     from optimizer.search.objective import DIRECTIONS
     from optimizer.search.space import branches, distribution_params
 
-    spec = _study(tmp_path, nvme=True, offload_optimizer=("none", "cpu", "nvme"))
+    spec = ops_study(tmp_path, nvme=True, offload_optimizer=("none", "cpu", "nvme"))
     nvme = next(c for c in op_prep.study_candidates(spec) if c.offload_param is NVME)
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     optuna.create_study(study_name=spec.name, storage=storage, directions=list(DIRECTIONS)).enqueue_trial(
@@ -256,29 +238,3 @@ def test_the_second_worker_of_a_node_waits_for_the_first(tmp_path):
     assert said[0].startswith("waiting for w0 to finish building DeepSpeed ops")
     assert said[1].startswith("w1 in after") and float(said[1].split()[3]) >= 0.2
     assert lock.read_text().strip() == "w1"
-
-
-@pytest.mark.slow
-def test_deepspeeds_own_builders_build_or_load_the_study_ops(tmp_path):
-    """Real DeepSpeed builders on CPU ranks: the ops of a CPU study with NVMe offload are ready (cached in the
-    session's TORCH_EXTENSIONS_DIR after their first build), async_io too where libaio is installed; where it is not,
-    its candidates are ruled out with the reason, not launched."""
-    import importlib
-
-    cpu_builders = importlib.import_module("deepspeed.ops.op_builder.cpu")
-    for op in (SHM_COMM, FUSED_ADAM, CPU_ADAM, ASYNC_IO):
-        assert op.name == getattr(cpu_builders, op.builder).NAME
-    spec = _study(tmp_path, nvme=True, offload_optimizer=("none", "cpu", "nvme"))
-    said: list[str] = []
-    start = time.monotonic()
-    narrowed = op_prep.prepare_ops(spec=spec, gpus=None, worker="w0", say=said.append)
-    print(f"ops prepared in {time.monotonic() - start:.1f} s:", *said, sep="\n")
-    report = json.loads(next((spec.output_dir / "ops").glob("*.json")).read_text())
-    for builder in ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder"):
-        assert report[builder]["status"] == "ready", report
-    if report["AsyncIOBuilder"]["status"] == "ready":
-        assert narrowed is spec
-    else:
-        assert shutil.which("c++") is None or "libaio" in report["AsyncIOBuilder"]["why"]
-        assert any("async_io" in line and "rules out" in line for line in said)
-        assert dict(narrowed.search_space.values)["offload_param"] == (NONE,)
