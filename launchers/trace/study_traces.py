@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -234,13 +235,35 @@ def _traced_entry(study_folder: Path | None, job: dict[str, Any]) -> dict[str, A
     return TraceCache(None, study_folder=study_folder).entry(**job)
 
 
-def fill(cache: TraceCache, jobs: Sequence[dict[str, Any]], *, workers: int | None = None) -> None:
-    """Trace ``jobs`` (:meth:`TraceCache.entry` arguments) into ``cache``: in up to ``workers`` processes (default
-    :func:`usable_cpus`) when there are several — each trace is one Python thread of dispatch, so separate
-    processes are what runs them side by side; a worker starts fresh (``spawn``) and imports torch itself."""
-    count = min(len(jobs), workers or usable_cpus())
-    if count < 2:
-        for job in jobs:
+WORKER_START_S = 8.0
+"""What starting one trace worker costs before its first trace: a fresh interpreter (``spawn``) importing torch,
+transformers and PEFT — 7–9 s of CPU each on this project's 2-core machine (py-spy over an example's study run,
+docs/benchmarks.md "Where a plan's seconds go")."""
+
+
+def worth_workers(*, first_s: float, left: int, workers: int, start_s: float = WORKER_START_S) -> bool:
+    """Whether ``left`` more traces, each as long as the first (``first_s``, traced in this process, which already
+    imported what a trace needs), finish sooner in ``workers`` fresh processes than here: the time they save,
+    ``left · first_s · (1 − 1/workers)``, against one worker's start."""
+    return workers >= 2 and left >= 2 and left * first_s * (1 - 1 / workers) > start_s
+
+
+def fill(cache: TraceCache, jobs: Sequence[dict[str, Any]], *, workers: int | None = None,
+         start_s: float = WORKER_START_S) -> None:
+    """Trace ``jobs`` (:meth:`TraceCache.entry` arguments) into ``cache``. The first is traced in this process and
+    timed; the rest here too unless :func:`worth_workers` says that up to ``workers`` processes (default
+    :func:`usable_cpus`) finish them sooner — each trace is one Python thread of dispatch, so separate processes are
+    what runs them side by side, but a worker starts fresh (``spawn``) and imports torch itself: a few traces of a
+    small model cost less than that start (an example's 4–8 traces: 15–17 s here against 19–27 s in two workers).
+    ``start_s``: a worker's start, :data:`WORKER_START_S`."""
+    if not jobs:
+        return
+    start = time.perf_counter()
+    cache.entry(**jobs[0])
+    first_s, rest = time.perf_counter() - start, list(jobs[1:])
+    count = min(len(rest), workers or usable_cpus())
+    if not worth_workers(first_s=first_s, left=len(rest), workers=count, start_s=start_s):
+        for job in rest:
             cache.entry(**job)
         return
     import multiprocessing
@@ -248,8 +271,8 @@ def fill(cache: TraceCache, jobs: Sequence[dict[str, Any]], *, workers: int | No
 
     context = multiprocessing.get_context("spawn")  # never fork a process that may hold torch's threads
     with ProcessPoolExecutor(max_workers=count, mp_context=context, initializer=for_planning) as pool:
-        entries = pool.map(_traced_entry, [cache.study_folder] * len(jobs), jobs)
-        for job, entry in zip(jobs, entries, strict=True):
+        entries = pool.map(_traced_entry, [cache.study_folder] * len(rest), rest)
+        for job, entry in zip(rest, entries, strict=True):
             cache.store.put(cache.key(**job), entry)
 
 
