@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,35 +69,55 @@ def shared_extensions_dir() -> Iterator[Path]:
         yield folder
 
 
-@pytest.fixture(autouse=True, scope="session")
-def ops_built_in_background(request, shared_extensions_dir, tmp_path_factory) -> Iterator[subprocess.Popen | None]:
+BACKGROUND_OPS = pytest.StashKey[subprocess.Popen]()
+"""The session's background op build (:func:`pytest_collection_finish`)."""
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
     """DeepSpeed's JIT-built ops — minutes of compiling on 2 cores in a fresh clone — built from the session's start
     in a background process at a low priority (``python tests/ops_study.py``: dsopt's own op preparation, under its
-    node lock), while the tests that need none run; only where the session runs a ``slow`` test. A study that needs
-    them waits on the node lock (launchers/ops/build_locks.py); a test under tests/real/ waits for the process
-    (:func:`real_runs_after_the_op_build`). Its output: ``session-ops*/build.log`` in pytest's temporary folder."""
-    if not any(item.get_closest_marker("slow") for item in request.session.items):
-        yield None
+    node lock, in the session's ``TORCH_EXTENSIONS_DIR``), while the tests that need none run; only where the session
+    runs a ``slow`` test. A study that needs them waits on the node lock (launchers/ops/build_locks.py); a test under
+    tests/real/ waits for the process before any of its fixtures (:func:`pytest_runtest_setup`)."""
+    if not any(item.get_closest_marker("slow") for item in session.items):
         return
-    folder = tmp_path_factory.mktemp("session-ops")
+    from launchers.trial.local import extensions_dir
+
+    folder = Path(tempfile.mkdtemp(prefix="dsopt-suite-ops-"))
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path, "TORCH_EXTENSIONS_DIR": str(extensions_dir()),
+           "DSOPT_CACHE_DIR": str(folder / "cache")}
     with (folder / "build.log").open("w") as log:
-        process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "ops_study.py"), str(folder)], cwd=ROOT,
-                                   stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])})
-    yield process
-    try:
-        process.wait(timeout=1800)  # never left building: an op's lock must not outlive the session
-    except subprocess.TimeoutExpired:
-        process.kill()
+        session.config.stash[BACKGROUND_OPS] = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "ops_study.py"), str(folder)], cwd=ROOT, env=env, stdout=log,
+            stderr=subprocess.STDOUT)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test under tests/real/ starts once the session's op build is over, its module's fixtures too (a trial run
+    without a study's op preparation would otherwise build inside its timeout, or wait on torch's build lock)."""
+    process = item.config.stash.get(BACKGROUND_OPS, None)
+    if process is not None and item.path.is_relative_to(ROOT / "tests" / "real"):
         process.wait()
 
 
-@pytest.fixture(autouse=True)
-def real_runs_after_the_op_build(request, ops_built_in_background) -> None:
-    """A test under tests/real/ starts once the session's op build is over (a trial run without a study's op
-    preparation would otherwise build inside its timeout, or wait on torch's own build lock)."""
-    if ops_built_in_background is not None and request.node.nodeid.startswith("tests/real/"):
-        ops_built_in_background.wait()
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The background op build is never left running (an op's build lock must not outlive the session): waited for;
+    its folder removed, or a failed one named with its log."""
+    process = session.config.stash.get(BACKGROUND_OPS, None)
+    if process is None:
+        return
+    try:
+        process.wait(timeout=1800)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    folder = Path(process.args[-1])
+    if process.returncode == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    else:
+        print(f"\nthe background op build ended with {process.returncode}: {folder / 'build.log'}")
 
 
 @pytest.fixture(autouse=True)

@@ -23,15 +23,23 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
+_swap = threading.RLock()
+"""Held while ``torch.compile`` stands replaced (:func:`compile_deferred`): one window at a time."""
+_real: list[Callable[..., Any]] = []
+"""``torch.compile`` itself while a window is open (what a deferred kernel called inside one compiles with)."""
+
 
 def compiled_on_first_call(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
-    """``fn`` compiled by ``torch.compile(fn, **options)`` when first called (torch's compiler imported then), that
-    compiled function called from then on."""
+    """``fn`` compiled by ``torch.compile(fn, **options)`` when first called (torch's compiler imported then; the real
+    ``torch.compile``, inside a :func:`compile_deferred` window too), that compiled function called from then on.
+    Where making it raises, the plain ``fn`` is kept for later calls (as bitsandbytes keeps it when ``torch.compile``
+    raises at its decoration) and the error goes to this first caller."""
     compiled: list[Callable[..., Any]] = []
 
     @functools.wraps(fn)
@@ -39,7 +47,12 @@ def compiled_on_first_call(fn: Callable[..., Any], **options: Any) -> Callable[.
         if not compiled:
             import torch
 
-            compiled.append(torch.compile(fn, **options))
+            compile_ = _real[-1] if _real else torch.compile
+            try:
+                compiled.append(compile_(fn, **options))
+            except Exception:
+                compiled.append(fn)
+                raise
         return compiled[0](*args, **kwargs)
 
     return call
@@ -49,23 +62,30 @@ def compiled_on_first_call(fn: Callable[..., Any], **options: Any) -> Callable[.
 def compile_deferred() -> Iterator[None]:
     """``torch.compile`` replaced, while the block runs, by a stand-in that defers plain functions
     (:func:`compiled_on_first_call`, as a decorator too: ``torch.compile(**options)(fn)``) and compiles anything
-    else at once; restored after."""
+    else at once; restored after. Windows do not interleave (a lock; a nested one on the same thread is a no-op)."""
     import torch
 
-    real = torch.compile
+    with _swap:
+        if _real:  # nested: the stand-in is already there
+            yield
+            return
+        real = torch.compile
 
-    def stand_in(model: Any = None, **options: Any) -> Any:
-        if model is None:
-            return lambda fn: stand_in(fn, **options)
-        if inspect.isfunction(model):
-            return compiled_on_first_call(model, **options)
-        return real(model, **options)
+        def stand_in(model: Any = None, **options: Any) -> Any:
+            if model is None:
+                return lambda fn: stand_in(fn, **options)
+            if inspect.isfunction(model):
+                return compiled_on_first_call(model, **options)
+            return real(model, **options)
 
-    torch.compile = stand_in  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch.compile = real
+        _real.append(real)
+        torch.compile = stand_in  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            _real.pop()
+            if torch.compile is stand_in:  # not replaced again meanwhile by someone else
+                torch.compile = real
 
 
 def import_deferring_compile(name: str) -> ModuleType:

@@ -1,5 +1,5 @@
-"""Python's cyclic garbage collector in dsopt's own processes: fewer collections where no real memory is measured,
-and none at the exit of any of them.
+"""Python's cyclic garbage collector in dsopt's own processes (the ``dsopt`` command, the trace workers, the rank
+programs, a trial's torchrun): fewer collections where nothing is measured, and none at their exit.
 
 Two costs of CPython 3.11's collector (``Modules/gcmodule.c``), both paid by every process that imports torch,
 DeepSpeed, transformers and PEFT — hundreds of thousands of long-lived module objects:
@@ -17,11 +17,13 @@ DeepSpeed, transformers and PEFT — hundreds of thousands of long-lived module 
 A trial's rank keeps the default thresholds: its live-tensor peak (:mod:`launchers.rank.cpu_memory`) must be the
 one a run without dsopt has, and a tensor held by a reference cycle is freed when a collection finds it. It only
 freezes at exit, after its report is written (:func:`no_collection_at_exit`). Processes that measure no real
-tensor — the ``dsopt`` command itself (planning, the study loop, tracing on fake tensors in its own process) and the
-trace workers — also collect less often (:func:`for_planning`). A trial's launcher, torchrun, is started as
-``python -m launchers.rank.collector torch.distributed.run ARGS`` (:func:`main`): torchrun's own code, no collection
-at its exit, which a trial waits for. A user's script trial is left as it is (its hook ends the process with
-``os._exit`` already: :mod:`launchers.rank.script_hook`).
+tensor — the ``dsopt`` command itself (planning, the study loop) and the trace workers — also collect less often
+(:func:`for_planning`), but while they trace: a trace measures liveness as a run does (fake storages freed when
+nothing holds them, ``torch.distributed._tools.mem_tracker`` and ``launchers/trace/tracer.py`` through weak
+references), so it runs under the default thresholds (:func:`default_thresholds`). A trial's launcher, torchrun,
+is started as ``python -m launchers.rank.collector torch.distributed.run ARGS`` (:func:`main`): torchrun's own code,
+no collection at its exit, which a trial waits for. A user's script trial is left as it is (its hook ends the
+process with ``os._exit`` already: :mod:`launchers.rank.script_hook`).
 """
 
 from __future__ import annotations
@@ -30,11 +32,16 @@ import atexit
 import gc
 import runpy
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 PLANNING_THRESHOLDS = (20_000, 20, 20)
 """``gc.set_threshold`` in a planning process: a young collection every 20,000 net allocations instead of 700,
 a full one after 400 of them instead of 100 — the import of the stack above ran 45 collections (0.7 s), none full,
 and the same plan came out byte for byte (docs/benchmarks.md, "Where a plan's seconds go")."""
+
+DEFAULT_THRESHOLDS = (700, 10, 10)
+"""CPython 3.11's ``gc.get_threshold()`` at start (``Modules/gcmodule.c``)."""
 
 _registered = False
 
@@ -54,15 +61,29 @@ def for_planning() -> None:
     no_collection_at_exit()
 
 
-def main(argv: list[str]) -> None:
+@contextmanager
+def default_thresholds() -> Iterator[None]:
+    """:data:`DEFAULT_THRESHOLDS` while the block runs (a trace in a planning process), the thresholds before
+    restored after."""
+    before = gc.get_threshold()
+    gc.set_threshold(*DEFAULT_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+
+
+def main(argv: list[str]) -> int:
     """``MODULE ARGS...``: run MODULE as ``python -m MODULE ARGS...`` does (``runpy``, ``sys.argv`` its own), with
-    no collection at exit; its exit status is the process's."""
+    no collection at exit; a ``SystemExit`` it raises (torchrun's exit status) passes through."""
     if not argv:
-        sys.exit("usage: python -m launchers.rank.collector MODULE ARGS...")
+        print("usage: python -m launchers.rank.collector MODULE ARGS...", file=sys.stderr)
+        return 2
     no_collection_at_exit()
-    sys.argv = [argv[0], *argv[1:]]
+    sys.argv = list(argv)
     runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

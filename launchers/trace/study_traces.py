@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launchers.rank.collector import for_planning
+from launchers.rank.collector import default_thresholds, for_planning
 from launchers.trace.cache_dir import cache_dir, source_digest
 from launchers.trace.json_cache import KeyedJsonStore
 from optimizer.deepspeed.versions import installed_version, installed_versions
@@ -166,13 +166,17 @@ class TraceCache:
         from launchers.trace.trace_depth import trace_by_depth
         from launchers.trace.tracer import TraceResult, trace
 
-        with importable_from(self.study_folder):
+        with importable_from(self.study_folder), default_thresholds():  # a trace measures liveness as a run does
             result = trace_by_depth(lambda spec: trace(model_spec=spec, **kwargs), model_spec=model_spec,
                                     checkpointing=checkpointing, parameters=parameters)
         found = {"ok": isinstance(result, TraceResult), "result": asdict(result)}
-        if found["ok"] or not result.transient:  # a failure of the machine is not the model's: traced again
-            self.store.put(key, found)
+        self.keep(key, found)
         return found
+
+    def keep(self, key: str, found: dict[str, Any]) -> None:
+        """Store an :meth:`entry` under ``key``, but a failure of the machine (not the model's: traced again)."""
+        if found["ok"] or not found["result"].get("transient"):
+            self.store.put(key, found)
 
     def trace_model(self, **kwargs: Any) -> TraceResult | TraceFailure:
         """:meth:`entry` as a :class:`launchers.trace.tracer.TraceResult` or
@@ -242,9 +246,9 @@ docs/benchmarks.md "Where a plan's seconds go")."""
 
 
 def worth_workers(*, first_s: float, left: int, workers: int, start_s: float = WORKER_START_S) -> bool:
-    """Whether ``left`` more traces, each as long as the first (``first_s``, traced in this process, which already
-    imported what a trace needs), finish sooner in ``workers`` fresh processes than here: the time they save,
-    ``left · first_s · (1 − 1/workers)``, against one worker's start."""
+    """Whether ``left`` more traces, each as long as the first (``first_s``, traced in this process; its warm-up
+    included, so the rule errs toward workers), finish sooner in ``workers`` fresh processes than here: the time
+    they save, ``left · first_s · (1 − 1/workers)``, against one worker's start."""
     return workers >= 2 and left >= 2 and left * first_s * (1 - 1 / workers) > start_s
 
 
@@ -273,7 +277,7 @@ def fill(cache: TraceCache, jobs: Sequence[dict[str, Any]], *, workers: int | No
     with ProcessPoolExecutor(max_workers=count, mp_context=context, initializer=for_planning) as pool:
         entries = pool.map(_traced_entry, [cache.study_folder] * len(rest), rest)
         for job, entry in zip(rest, entries, strict=True):
-            cache.store.put(cache.key(**job), entry)
+            cache.keep(cache.key(**job), entry)
 
 
 def traceable_options(study: StudySpec) -> list[tuple[str, Precision]]:

@@ -93,3 +93,36 @@ def test_peft_and_bitsandbytes_import_without_torchs_compiler_and_dequantize_as_
     deferred = _fresh(code.replace("DEFER", "True"))
     assert not deferred["inductor"]
     assert deferred["sum"] == control["sum"] and deferred["err"] == control["err"] < 0.5
+
+
+def test_a_kernel_whose_compile_raises_runs_plain_after_the_first_call(monkeypatch):
+    tries: list[object] = []
+
+    def failing_compile(fn, **options):
+        tries.append(fn)
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    lazy = compiled_on_first_call(lambda x: x * 2)
+    with pytest.raises(RuntimeError, match="no compiler"):  # bitsandbytes' wrapper catches it and runs the plain one
+        lazy(1)
+    assert lazy(2) == 4 and lazy(3) == 6 and len(tries) == 1  # not tried again
+
+
+def test_a_kernel_first_called_inside_a_window_compiles_with_the_real_torch_compile(monkeypatch):
+    calls: list[object] = []
+
+    def spy_compile(model=None, **options):
+        calls.append(model)
+        return model
+
+    monkeypatch.setattr(torch, "compile", spy_compile)
+
+    def kernel(x):
+        return x - 1
+
+    with compile_deferred():
+        lazy = torch.compile(kernel)
+        with compile_deferred():  # nested: the same window
+            assert lazy(5) == 4
+    assert calls == [kernel] and torch.compile is spy_compile

@@ -5,13 +5,14 @@ control that does collect at exit, so the checks can fail."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
-from launchers.rank.collector import PLANNING_THRESHOLDS
+from launchers.rank.collector import DEFAULT_THRESHOLDS, PLANNING_THRESHOLDS, default_thresholds
 
 ROOT = Path(__file__).resolve().parents[3]
 CYCLE = '''import gc, sys
@@ -48,7 +49,7 @@ def test_a_module_run_through_it_keeps_its_arguments_and_exit_status_and_is_not_
 
 def test_without_a_module_it_is_a_usage_error(tmp_path):
     run = _run(tmp_path, "-m", "launchers.rank.collector")
-    assert run.returncode == 1 and "usage: python -m launchers.rank.collector MODULE" in run.stderr, run.stderr
+    assert run.returncode == 2 and "usage: python -m launchers.rank.collector MODULE" in run.stderr, run.stderr
 
 
 def test_the_dsopt_entry_point_plans_with_fewer_collections_and_none_at_exit(tmp_path):
@@ -57,3 +58,14 @@ def test_the_dsopt_entry_point_plans_with_fewer_collections_and_none_at_exit(tmp
     entry = "from optimizer import cli; cli.main = lambda: 0; cli.entry()"
     run = _run(tmp_path, "-m", "cycle", str(tmp_path / "run.txt"), "0", setup=entry)
     assert f"thresholds {PLANNING_THRESHOLDS}" in run.stdout and not (tmp_path / "run.txt").exists(), run.stdout
+
+
+def test_a_trace_in_a_planning_process_runs_under_the_default_thresholds():
+    before = gc.get_threshold()
+    gc.set_threshold(*PLANNING_THRESHOLDS)
+    try:
+        with default_thresholds():
+            assert gc.get_threshold() == DEFAULT_THRESHOLDS
+        assert gc.get_threshold() == PLANNING_THRESHOLDS
+    finally:
+        gc.set_threshold(*before)
