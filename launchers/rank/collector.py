@@ -1,5 +1,5 @@
-"""Python's cyclic garbage collector in dsopt's own processes (the ``dsopt`` command, the trace workers, the rank
-programs, a trial's torchrun): fewer collections where nothing is measured, and none at their exit.
+"""Python's cyclic garbage collector in dsopt's own processes (the ``dsopt`` command and the copies it forks to
+trace, the rank programs, a trial's torchrun): fewer collections where nothing is measured, and none at their exit.
 
 Two costs of CPython 3.11's collector (``Modules/gcmodule.c``), both paid by every process that imports torch,
 DeepSpeed, transformers and PEFT — hundreds of thousands of long-lived module objects:
@@ -17,13 +17,14 @@ DeepSpeed, transformers and PEFT — hundreds of thousands of long-lived module 
 A trial's rank keeps the default thresholds: its live-tensor peak (:mod:`launchers.rank.cpu_memory`) must be the
 one a run without dsopt has, and a tensor held by a reference cycle is freed when a collection finds it. It only
 freezes at exit, after its report is written (:func:`no_collection_at_exit`). Processes that measure no real
-tensor — the ``dsopt`` command itself (planning, the study loop) and the trace workers — also collect less often
-(:func:`for_planning`), but while they trace: a trace measures liveness as a run does (fake storages freed when
-nothing holds them, ``torch.distributed._tools.mem_tracker`` and ``launchers/trace/tracer.py`` through weak
-references), so it runs under the default thresholds (:func:`default_thresholds`). A trial's launcher, torchrun,
-is started as ``python -m launchers.rank.collector torch.distributed.run ARGS`` (:func:`main`): torchrun's own code,
-no collection at its exit, which a trial waits for. A user's script trial is left as it is (its hook ends the
-process with ``os._exit`` already: :mod:`launchers.rank.script_hook`).
+tensor — the ``dsopt`` command itself (planning, the study loop) — also collect less often
+(:func:`for_planning`), except while they trace: a trace measures liveness as a run does (fake storages freed
+when nothing holds them, ``torch.distributed._tools.mem_tracker`` and ``launchers/trace/tracer.py`` through weak
+references), so it runs under the default thresholds (:func:`default_thresholds`) — the copies forked to trace
+beside it too (forked inside that block, :mod:`launchers.trace.forked`; they end with ``os._exit``). A trial's
+launcher, torchrun, is started as ``python -m launchers.rank.collector torch.distributed.run ARGS`` (:func:`main`):
+torchrun's own code, no collection at its exit, which a trial waits for. A user's script trial is left as it is
+(its hook ends the process with ``os._exit`` already: :mod:`launchers.rank.script_hook`).
 """
 
 from __future__ import annotations

@@ -18,13 +18,12 @@ import dataclasses
 import json
 import os
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launchers.rank.collector import default_thresholds, for_planning
+from launchers.rank.collector import default_thresholds
 from launchers.trace.cache_dir import cache_dir, source_digest
 from launchers.trace.json_cache import KeyedJsonStore
 from optimizer.deepspeed.versions import installed_version, installed_versions
@@ -91,6 +90,13 @@ def _frozen(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: _frozen(item) for key, item in value.items()}
     return value
+
+
+def _found(result: TraceResult | TraceFailure) -> dict[str, Any]:
+    """A trace as :class:`TraceCache` stores it: ``{"ok": bool, "result": its fields}``."""
+    from launchers.trace.tracer import TraceResult
+
+    return {"ok": isinstance(result, TraceResult), "result": asdict(result)}
 
 
 def _joint_peak(segments: Sequence[Sequence[int]]) -> tuple[int, int]:
@@ -164,12 +170,12 @@ class TraceCache:
             return found
         from launchers.trace.inventory import importable_from
         from launchers.trace.trace_depth import trace_by_depth
-        from launchers.trace.tracer import TraceResult, trace
+        from launchers.trace.tracer import trace
 
         with importable_from(self.study_folder), default_thresholds():  # a trace measures liveness as a run does
             result = trace_by_depth(lambda spec: trace(model_spec=spec, **kwargs), model_spec=model_spec,
                                     checkpointing=checkpointing, parameters=parameters)
-        found = {"ok": isinstance(result, TraceResult), "result": asdict(result)}
+        found = _found(result)
         self.keep(key, found)
         return found
 
@@ -234,50 +240,44 @@ def usable_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _traced_entry(study_folder: Path | None, job: dict[str, Any]) -> dict[str, Any]:
-    """One :meth:`TraceCache.entry` in a worker process, not stored there (the parent stores it)."""
-    return TraceCache(None, study_folder=study_folder).entry(**job)
-
-
-WORKER_START_S = 8.0
-"""What starting one trace worker costs before its first trace: a fresh interpreter (``spawn``) importing torch,
-transformers and PEFT — 7–9 s of CPU each on this project's 2-core machine (py-spy over an example's study run,
-docs/benchmarks.md "Where a plan's seconds go")."""
-
-
-def worth_workers(*, first_s: float, left: int, workers: int, start_s: float = WORKER_START_S) -> bool:
-    """Whether ``left`` more traces, each as long as the first (``first_s``, traced in this process; its warm-up
-    included, so the rule errs toward workers), finish sooner in ``workers`` fresh processes than here: the time
-    they save, ``left · first_s · (1 − 1/workers)``, against one worker's start."""
-    return workers >= 2 and left >= 2 and left * first_s * (1 - 1 / workers) > start_s
-
-
-def fill(cache: TraceCache, jobs: Sequence[dict[str, Any]], *, workers: int | None = None,
-         start_s: float = WORKER_START_S) -> None:
-    """Trace ``jobs`` (:meth:`TraceCache.entry` arguments) into ``cache``. The first is traced in this process and
-    timed; the rest here too unless :func:`worth_workers` says that up to ``workers`` processes (default
-    :func:`usable_cpus`) finish them sooner — each trace is one Python thread of dispatch, so separate processes are
-    what runs them side by side, but a worker starts fresh (``spawn``) and imports torch itself: a few traces of a
-    small model cost less than that start (an example's 4–8 traces: 15–17 s here against 19–27 s in two workers).
-    ``start_s``: a worker's start, :data:`WORKER_START_S`."""
+def fill(cache: TraceCache, jobs: Sequence[dict[str, Any]], *, workers: int | None = None) -> None:
+    """Trace ``jobs`` (:meth:`TraceCache.entry` arguments) into ``cache``, as :meth:`TraceCache.entry` would one
+    by one, but side by side on up to ``workers`` CPUs (default :func:`usable_cpus`): every single trace — each
+    of a deep model's two shallow copies, or the model whole — is one item of
+    :func:`launchers.trace.forked.shared_map` (this process and forked copies of it, none of them importing
+    anything again). A model whose copies do not extend to its parameter count is traced whole in a second
+    round, as :func:`launchers.trace.trace_depth.trace_by_depth` does."""
     if not jobs:
         return
-    start = time.perf_counter()
-    cache.entry(**jobs[0])
-    first_s, rest = time.perf_counter() - start, list(jobs[1:])
-    count = min(len(rest), workers or usable_cpus())
-    if not worth_workers(first_s=first_s, left=len(rest), workers=count, start_s=start_s):
-        for job in rest:
-            cache.entry(**job)
-        return
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from launchers.trace.forked import shared_map
+    from launchers.trace.inventory import importable_from
+    from launchers.trace.trace_depth import from_copies, shallow_specs
+    from launchers.trace.tracer import trace
 
-    context = multiprocessing.get_context("spawn")  # never fork a process that may hold torch's threads
-    with ProcessPoolExecutor(max_workers=count, mp_context=context, initializer=for_planning) as pool:
-        entries = pool.map(_traced_entry, [cache.study_folder] * len(rest), rest)
-        for job, entry in zip(rest, entries, strict=True):
-            cache.keep(cache.key(**job), entry)
+    count = workers or usable_cpus()
+    plans = [shallow_specs(job["model_spec"], job["checkpointing"], job["parameters"]) for job in jobs]
+
+    def traced(item: tuple[int, dict[str, Any]]) -> TraceResult | TraceFailure:
+        index, spec = item
+        job = jobs[index]
+        return trace(model_spec=spec, checkpointing=job["checkpointing"], precision=job["precision"],
+                     micro_batch=job["micro_batch"], sequence_length=job["sequence_length"])
+
+    with importable_from(cache.study_folder), default_thresholds():  # a trace measures liveness as a run does
+        items = [(index, spec) for index, plan in enumerate(plans)
+                 for spec in (plan[1] if plan else [jobs[index]["model_spec"]])]
+        results = iter(shared_map(traced, items, workers=count))
+        wholes = [next(results) if plan is None else
+                  from_copies(next(results), next(results), depths=plan[0],
+                              layers=int(jobs[index]["model_spec"]["layers"]), parameters=jobs[index]["parameters"])
+                  for index, plan in enumerate(plans)]
+        again = [index for index, whole in enumerate(wholes) if whole is None]
+        if again:
+            for index, whole in zip(again, shared_map(traced, [(i, jobs[i]["model_spec"]) for i in again],
+                                                      workers=count), strict=True):
+                wholes[index] = whole
+    for job, whole in zip(jobs, wholes, strict=True):
+        cache.keep(cache.key(**job), _found(whole))
 
 
 def traceable_options(study: StudySpec) -> list[tuple[str, Precision]]:

@@ -148,18 +148,26 @@ def shallow_specs(model_spec: dict[str, Any], checkpointing: str,
     return None if any(spec is None for spec in specs) else (depths, specs)  # type: ignore[return-value]
 
 
+def from_copies(shallow: Any, deeper: Any, *, depths: tuple[int, int], layers: int, parameters: int | None) -> Any:
+    """The whole model's trace from its two shallow copies' (:func:`shallow_specs`): a copy's failure as it is (the
+    op fails at any depth), else :func:`extrapolate`'s — or None when that does not extend to ``parameters`` (a
+    structure the copies miss: trace the model at its full depth)."""
+    for result in (shallow, deeper):
+        if not hasattr(result, "parameters"):
+            return result
+    whole = extrapolate(shallow, deeper, depths=depths, layers=layers)
+    return whole if whole.parameters == parameters else None
+
+
 def trace_by_depth(run: Callable[[dict[str, Any]], Any], *, model_spec: dict[str, Any], checkpointing: str,
                    parameters: int | None) -> Any:
     """``run(spec)`` (a trace or a failure) for the model of ``model_spec``: from two shallow copies when that
-    is possible and their parameter counts extend to ``parameters`` (:func:`shallow_specs`), else at full
-    depth."""
+    is possible and their parameter counts extend to ``parameters`` (:func:`shallow_specs`, :func:`from_copies`),
+    else at full depth."""
     chosen = shallow_specs(model_spec, checkpointing, parameters)
     if chosen is None:
         return run(model_spec)
     depths, specs = chosen
     shallow, deeper = (run(spec) for spec in specs)
-    for result in (shallow, deeper):
-        if not hasattr(result, "parameters"):
-            return result  # a failure: the op fails at any depth
-    whole = extrapolate(shallow, deeper, depths=depths, layers=int(model_spec["layers"]))
-    return whole if whole.parameters == parameters else run(model_spec)
+    whole = from_copies(shallow, deeper, depths=depths, layers=int(model_spec["layers"]), parameters=parameters)
+    return run(model_spec) if whole is None else whole

@@ -1,64 +1,79 @@
-"""Where a study's traces run (launchers/trace/study_traces.py ``fill``): the first in dsopt's own process, timed,
-and the rest there too unless two or more worker processes would finish them sooner than one worker takes to start;
-what the workers trace is what this process traces."""
+"""Where a study's traces run (launchers/trace/study_traces.py ``fill``): each single trace — a deep model's two
+shallow copies apart — one item shared between dsopt's process and forked copies of it; what the copies trace is
+what this process traces, and a model whose copies do not extend to its parameter count is traced whole."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from pathlib import Path
 
 import pytest
 
-from launchers.trace.study_traces import TraceCache, fill, worth_workers
+import launchers.trace.forked as forked
+from launchers.trace.study_traces import TraceCache, fill
+from launchers.trace.trace_depth import shallow_specs
 from launchers.trial.run import model_dict
+from optimizer.ledger.transformer import trainable_count
 from optimizer.study.knobs import Precision
 from optimizer.study.study_file import load_study
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.mark.parametrize(("first_s", "left", "workers", "worth"), [
-    (1.5, 7, 2, False),  # an example's eight short traces: 5.25 s saved at most, less than a worker's start
-    (0.9, 23, 2, True),  # cpu-tiny's 24: 10.35 s saved
-    (3.0, 59, 2, True),  # a 70B plan's 60
-    (3.0, 59, 1, False),  # one CPU: nothing runs side by side
-    (100.0, 1, 2, False),  # one trace left: one process either way
-])
-def test_workers_start_only_where_they_save_more_than_their_start(first_s, left, workers, worth):
-    assert worth_workers(first_s=first_s, left=left, workers=workers, start_s=8.0) is worth
-
-
-def _jobs() -> list[dict]:
+def _jobs(*, layers: int = 2, parameters: bool = False) -> list[dict]:
     model = load_study(ROOT / "studies" / "gpt2-tiny-cpu.yaml").model
-    return [{"model_spec": model_dict(model), "parameters": None, "checkpointing": ckpt, "precision": Precision.FP32,
-             "micro_batch": mbs, "sequence_length": 64} for ckpt in ("none", "full") for mbs in (1, 2)]
+    model = dataclasses.replace(model, layers=layers)
+    return [{"model_spec": model_dict(model), "parameters": trainable_count(model) if parameters else None,
+             "checkpointing": ckpt, "precision": Precision.FP32, "micro_batch": mbs, "sequence_length": 64}
+            for ckpt in ("none", "full") for mbs in (1, 2)]
 
 
-def test_few_short_traces_stay_in_this_process(tmp_path, monkeypatch):
-    def no_pool(*args, **kwargs):
-        raise AssertionError("a worker process was started")
+def _recorded(monkeypatch) -> list[tuple[int, list[int]]]:
+    """(items, pids that traced) of each :func:`launchers.trace.forked.shared_map` call."""
+    calls: list[tuple[int, list[int]]] = []
+    real = forked.shared_map
 
-    monkeypatch.setattr("concurrent.futures.ProcessPoolExecutor", no_pool)
+    def recording(fn, items, *, workers):
+        out = real(lambda item: (fn(item), os.getpid()), items, workers=workers)
+        calls.append((len(items), [pid for _, pid in out]))
+        return [value for value, _ in out]
+
+    monkeypatch.setattr(forked, "shared_map", recording)
+    return calls
+
+
+@pytest.mark.skipif(not forked.fork_safe(), reason="forks only on Linux with one Python thread")
+def test_what_the_copies_trace_is_what_this_process_traces(tmp_path, monkeypatch):
+    jobs = _jobs(layers=6, parameters=True)[::2]  # deep enough for two shallow copies each; none and full
+    assert all(shallow_specs(job["model_spec"], job["checkpointing"], job["parameters"]) for job in jobs)
+    calls = _recorded(monkeypatch)
+    here, there = TraceCache(tmp_path / "here"), TraceCache(tmp_path / "there")
+    fill(here, jobs, workers=1)
+    fill(there, jobs, workers=2)
+    assert [items for items, _ in calls] == [4, 4]  # each job's two copies, one item each
+    assert set(calls[0][1]) == {os.getpid()}
+    assert os.getpid() in calls[1][1] and len(set(calls[1][1])) == 2  # shared with a copy
+    for job in jobs:
+        assert here.holds(**job)
+        assert here.entry(**job) == there.entry(**job)
+    alone = TraceCache(tmp_path / "alone")  # one by one, as a cache miss traces
+    assert all(alone.entry(**job) == here.entry(**job) for job in jobs)
+
+
+def test_a_model_whose_copies_do_not_extend_is_traced_whole(tmp_path, monkeypatch):
+    jobs = _jobs(layers=6, parameters=True)[:1]
+    jobs[0]["parameters"] += 1  # a count the copies cannot extend to: a structure they miss
+    calls = _recorded(monkeypatch)
+    cache = TraceCache(tmp_path / "traces")
+    fill(cache, jobs, workers=2)
+    assert [items for items, _ in calls] == [2, 1]  # the two copies, then the model whole
+    assert "extended linearly" not in " ".join(cache.entry(**jobs[0])["result"]["notes"])
+
+
+def test_shallow_models_are_traced_whole_in_one_round(tmp_path, monkeypatch):
+    calls = _recorded(monkeypatch)
     cache = TraceCache(tmp_path / "traces")
     fill(cache, _jobs(), workers=2)
+    assert [items for items, _ in calls] == [4]
     assert all(cache.holds(**job) for job in _jobs())
-
-
-@pytest.mark.slow  # two spawned workers import torch
-def test_what_the_workers_trace_is_what_this_process_traces(tmp_path, monkeypatch):
-    from concurrent import futures
-
-    started: list[int] = []
-
-    pool = futures.ProcessPoolExecutor
-
-    def counted(*args, **kwargs):
-        started.append(kwargs["max_workers"])
-        return pool(*args, **kwargs)
-
-    monkeypatch.setattr(futures, "ProcessPoolExecutor", counted)
-    here, there = TraceCache(tmp_path / "here"), TraceCache(tmp_path / "there")
-    fill(here, _jobs(), workers=2, start_s=float("inf"))
-    fill(there, _jobs(), workers=2, start_s=0.0)
-    assert started == [2]  # the three traces after the first, in two workers
-    for job in _jobs():
-        assert here.entry(**job) == there.entry(**job)

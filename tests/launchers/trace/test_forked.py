@@ -1,0 +1,98 @@
+"""launchers/trace/forked.py: one function over many items, in this process and forked copies of it — results in
+order, every item computed once where all goes well, and again here where a copy raised or died."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import psutil
+import pytest
+
+from launchers.trace.forked import fork_safe, shared_map
+
+pytestmark = pytest.mark.skipif(not fork_safe(), reason="forks only on Linux with one Python thread")
+
+
+def _slow_pid(item: int) -> tuple[int, int]:
+    time.sleep(0.3)  # long enough that the copy claims items too
+    return item * item, os.getpid()
+
+
+def _children() -> set[int]:
+    """This process's children now (the suite's background op build may be one of them)."""
+    return {child.pid for child in psutil.Process().children()}
+
+
+def test_the_items_are_shared_between_this_process_and_a_copy_and_come_back_in_order():
+    before = _children()
+    out = shared_map(_slow_pid, list(range(6)), workers=2)
+    assert [value for value, _ in out] == [i * i for i in range(6)]
+    pids = {pid for _, pid in out}
+    assert os.getpid() in pids and len(pids) == 2
+    assert _children() <= before
+
+
+def test_one_worker_or_one_item_stays_in_this_process():
+    assert {pid for _, pid in shared_map(_slow_pid, [1, 2], workers=1)} == {os.getpid()}
+    assert shared_map(_slow_pid, [3], workers=4) == [(9, os.getpid())]
+    assert shared_map(_slow_pid, [], workers=4) == []
+
+
+def test_with_another_thread_alive_nothing_forks():
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert not fork_safe()
+        assert {pid for _, pid in shared_map(_slow_pid, list(range(4)), workers=2)} == {os.getpid()}
+    finally:
+        stop.set()
+        other.join()
+
+
+def test_an_item_a_copy_failed_is_computed_here():
+    before = _children()
+    parent = os.getpid()
+
+    def fails_in_copies(item: int) -> tuple[int, int]:
+        time.sleep(0.3)
+        if os.getpid() != parent:
+            raise RuntimeError("only in a copy")
+        return item + 1, os.getpid()
+
+    out = shared_map(fails_in_copies, list(range(4)), workers=2)
+    assert out == [(i + 1, parent) for i in range(4)]
+    assert _children() <= before
+
+
+def test_a_copy_that_dies_loses_nothing():
+    before = _children()
+    parent = os.getpid()
+
+    def dies_in_copies(item: int) -> int:
+        time.sleep(0.3)
+        if os.getpid() != parent:
+            os._exit(9)
+        return item * 10
+
+    assert shared_map(dies_in_copies, list(range(4)), workers=2) == [0, 10, 20, 30]
+    assert _children() <= before
+
+
+def test_an_error_here_is_raised_and_no_copy_is_left_running():
+    before = _children()
+    parent = os.getpid()
+
+    def fails_here(item: int) -> int:
+        if os.getpid() == parent:
+            raise ValueError(f"item {item}")
+        time.sleep(30)  # a copy still busy when this process stops: killed, not waited for
+        return item
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="item"):
+        shared_map(fails_here, list(range(4)), workers=2)
+    assert time.monotonic() - start < 20
+    assert _children() <= before
