@@ -36,7 +36,8 @@ from benchmarks.rank_correlation import spearman  # noqa: E402
 from launchers.probe.machine import with_probe  # noqa: E402
 from launchers.trace.inventory import adapted_inventory  # noqa: E402
 from optimizer.perf.calibration import TimeSample, fit_rates  # noqa: E402
-from optimizer.perf.throughput import FEATURES, Rates, StepTime, Work, predict, profile_rates, work  # noqa: E402
+from optimizer.perf.rates import FEATURES, Rates, Work  # noqa: E402
+from optimizer.perf.throughput import StepTime, predict, profile_rates, work  # noqa: E402
 from optimizer.search.ordering import candidate_of  # noqa: E402
 from optimizer.study.machine_probe import MachineProbe  # noqa: E402
 from optimizer.study.specs import baseline_candidate  # noqa: E402

@@ -19,3 +19,18 @@ def _modules(folder: str) -> list[Path]:
 def test_every_module_stays_readable(path):
     """Every file under ~400 lines: one screenful of concerns, not a page of them."""
     assert len(path.read_text(encoding="utf-8").splitlines()) <= 420
+
+
+def test_no_two_files_import_each_other():
+    """No file circle in optimizer/ or launchers/ (``benchmarks/import_graph.py``, which draws the rooms, finds
+    them: strongly connected sets of modules, a package's ``__init__`` importing its own modules aside)."""
+    import importlib.util
+
+    import grimp
+
+    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "benchmarks" / "import_graph.py")
+    drawing = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drawing)
+    graph = grimp.build_graph("optimizer", "launchers")
+    loops = [c for c in drawing.circles(graph) if not any(m + "." in n for m in c for n in c)]
+    assert loops == []

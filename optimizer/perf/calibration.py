@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from optimizer.perf.throughput import FEATURES, Rates, Work
+from optimizer.perf.rates import FEATURES, Rates, Work
 
 PRIOR_WEIGHT = 0.05
 """λ: how strongly a profile figure holds against the measurements (relative units)."""

@@ -8,7 +8,7 @@ times, :mod:`optimizer.perf.skeleton` on what model DeepSpeed's engine is timed.
 from __future__ import annotations
 
 from optimizer.perf.probe_plan import collective_beta, compute_rate
-from optimizer.perf.throughput import FEATURES, Rates
+from optimizer.perf.rates import FEATURES, Rates
 from optimizer.study.knobs import Precision, ZeroStage
 from optimizer.study.machine_probe import MachineProbe, ProbeFigure
 from optimizer.study.specs import HardwareSpec

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import optuna
 
-from optimizer.perf.throughput import FEATURES, StepTime, predict, profile_rates, work
+from optimizer.perf.rates import FEATURES
+from optimizer.perf.throughput import StepTime, predict, profile_rates, work
 from optimizer.search.ordering import (
     StudyModels,
     candidate_of,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import optuna
 
 from optimizer.ledger.core import Verdict
-from optimizer.perf.throughput import FEATURES, Rates
+from optimizer.perf.rates import FEATURES, Rates
 from optimizer.search.launch_policy import Assessment, Standing, assess
 from optimizer.search.launch_value import (
     SPEED_ERROR_PRIOR,

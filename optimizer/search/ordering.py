@@ -23,7 +23,8 @@ import optuna
 
 from optimizer.ledger.core import Verdict
 from optimizer.perf.calibration import MemorySample, TimeSample, fit_rates, memory_factor
-from optimizer.perf.throughput import FEATURES, Rates, StepTime, predict, profile_rates, work
+from optimizer.perf.rates import FEATURES, Rates
+from optimizer.perf.throughput import StepTime, predict, profile_rates, work
 from optimizer.study.knobs import Candidate, OffloadDevice, Precision, ZeroStage, parse_knob
 from optimizer.study.specs import TransformerModel
 from optimizer.study.study_file import StudySpec

@@ -26,7 +26,7 @@ import yaml
 
 from optimizer.ledger.activations import usable_trace
 from optimizer.ledger.core import Category, Ledger, LedgerItem, Location, Phase
-from optimizer.perf.throughput import FEATURES, Rates
+from optimizer.perf.rates import FEATURES, Rates
 from optimizer.search.launch_value import FrontSummary
 from optimizer.search.next_launch import summary_of
 from optimizer.search.ordering import StudyModels, study_models

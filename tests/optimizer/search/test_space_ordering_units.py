@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from optimizer.ledger.core import evaluate
-from optimizer.perf.throughput import FEATURES, Rates
+from optimizer.perf.rates import FEATURES, Rates
 from optimizer.search.launch_policy import Standing
 from optimizer.search.launch_value import FrontSummary, front_summary, gain, launch_cost_s
 from optimizer.search.next_launch import options
