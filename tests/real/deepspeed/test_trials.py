@@ -20,7 +20,8 @@ from trial_processes import trial_processes
 from launchers.models.builtin import build_model
 from launchers.trial.local import LAUNCH_ID_VAR
 from launchers.trial.reference_batches import judge_for, losses_for
-from launchers.trial.run import reference_losses, run_trial
+from launchers.trial.reference_trial import reference_as_trial
+from launchers.trial.run import reference_candidate, reference_losses, run_trial, trial_dir_for
 from optimizer.results.trial_result import Outcome, loss_fidelity
 from optimizer.study.knobs import with_knobs
 from optimizer.study.specs import baseline_candidate
@@ -55,9 +56,14 @@ def reference(study):
 
 @pytest.fixture(scope="module")
 def baseline(study, reference):
-    """The study's baseline candidate (z0 fp32 ckpt=none, its micro-batch) launched once for every test that asks
-    for it: stage 0, checkpointing none, micro-batch 2."""
-    return _run(study, reference)
+    """The study's baseline candidate (stage 0, fp32, checkpointing none, micro-batch 2) for every test that asks
+    for it. It is the FP32 reference's own candidate, so its trial is the reference run read back as a study records
+    it (launchers/trial/reference_trial.py), files and all — not a second launch of the same run."""
+    candidate = baseline_candidate(study.training)
+    assert candidate == reference_candidate(study)
+    result = reference_as_trial(study, candidate, trial_dir=trial_dir_for(study, candidate))
+    assert result is not None
+    return result
 
 
 def _run(study, reference=None, **knobs):
@@ -97,7 +103,7 @@ def test_reference_is_cached_and_falls(study, reference):
 def test_zero_stages_measure_and_agree_with_fp32_reference(study, reference, stage, request):
     result = request.getfixturevalue("baseline") if stage == 0 else _run(study, reference, zero_stage=stage)
     assert result.outcome is Outcome.OK, result.message + result.log_tail
-    assert result.loss_fidelity is not None and result.loss_fidelity <= 1e-4
+    assert result.loss_fidelity is not None and result.loss_fidelity <= 1e-4  # stage 0: the reference itself, 0
     trial_dir = study.output_dir / "trials" / f"z{stage}_fp32_ckpt=none_mbs=2"
     plan = json.loads((trial_dir / "plan.json").read_text())
     model = build_model(plan["model"], checkpointing=plan["checkpointing"])  # what the ranks built
@@ -174,11 +180,11 @@ def test_failures_are_classified(tmp_path, workload, outcome):
 
 def test_a_hang_times_out_and_leaves_no_process(tmp_path):
     study = load_study(_study_copy(tmp_path, model__entry_point="faulty_workloads:hang_workload",
-                                   trial__timeout_s=30))
+                                   trial__timeout_s=20))  # the hang is reached ~6 s in on 2 CPU cores
     result = _run(study)
     assert result.outcome is Outcome.TIMEOUT
     assert (study.path.parent / "hang_reached.marker").exists()  # the ranks were stuck mid-run, not importing
-    assert result.wall_s < 30 + 15
+    assert result.wall_s < 20 + 15
     assert _no_rank_left(tmp_path)
 
 
