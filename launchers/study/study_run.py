@@ -13,6 +13,7 @@ a launch makes true (the device is not the study's profile, the script trains an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import warnings
@@ -158,6 +159,8 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
                            step_s=None if isinstance(step, str) else step.total_s, gpus=gpus,
                            stop_above=stop_above(spec, candidate, ledger=ledgers.get(candidate.label())))
         result = kept_as_reference(judge, candidate, result)  # where its run is that reference
+        if judge.launches:  # counted with the trial's own launch (--n-trials, budget.max_launches)
+            result = dataclasses.replace(result, reference_launches=judge.launches)
         say_profile_mismatch(spec, result, said=mismatch_said, worker=worker)
         say_script_model(spec, result, said=script_said, worker=worker)
         _, capacity = record_device(study, result)

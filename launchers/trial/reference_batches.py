@@ -71,6 +71,9 @@ class Judge:
     own: bool
     """The candidate is that reference's own candidate and the reference is not cached yet: the candidate's run is
     the reference (:func:`kept_as_reference`), judged by nothing else."""
+    launches: int = 0
+    """FP32 reference launches judging the candidate takes: 1 where the reference at its micro-batch size is neither
+    cached nor the candidate's own run (:func:`losses_for` launches it), else 0."""
 
 
 def judge_for(study: StudySpec, candidate: Candidate, *, study_reference_held: bool = True) -> Judge:
@@ -81,9 +84,10 @@ def judge_for(study: StudySpec, candidate: Candidate, *, study_reference_held: b
     ``dsopt trial`` holds none, and the reference's own candidate is then the reference."""
     name = reference_name(study, candidate.micro_batch_size)
     at = study if name == "reference" else at_micro_batch(study, candidate.micro_batch_size)
-    own = (not (study_reference_held and name == "reference") and candidate == reference_candidate(at)
-           and cached_reference_losses(at, name=name) is None)
-    return Judge(name=name, study=at, own=own)
+    held = study_reference_held and name == "reference"
+    missing = not held and cached_reference_losses(at, name=name) is None
+    own = missing and candidate == reference_candidate(at)
+    return Judge(name=name, study=at, own=own, launches=int(name != "reference" and missing and not own))
 
 
 def losses_for(judge: Judge, losses: list[float] | None, *, gpus: Sequence[str] | None = None,

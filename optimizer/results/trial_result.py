@@ -165,6 +165,10 @@ class TrialResult:
     script_trainable_parameters: int | None = None
     """A script trial: how many of them train (``requires_grad``: PEFT's adapters, what the script left unfrozen),
     beside the planned Ψtr (``model.peft``, ``training.frozen``); None for dsopt's own step."""
+    reference_launches: int = 0
+    """FP32 reference runs launched to judge this trial besides its own launch: the reference at its micro-batch size
+    where training draws dropout masks (``launchers/trial/reference_batches.py``), 1 the first time it is needed.
+    ``--n-trials`` and ``budget.max_launches`` count them with the trial's (:mod:`optimizer.search.objective`)."""
 
     def _rank_max(self, field: str) -> int | float | None:
         values = [v for r in self.ranks if (v := getattr(r, field)) is not None]

@@ -21,7 +21,9 @@ that could not be computed (no reference losses) is unknown, never perfect: the 
 ``oom``/``nan``/``crash``/``timeout``/``unsupported`` is recorded as FAIL with its outcome, so it never reaches
 the front (``study.best_trials`` is Optuna's feasible Pareto front).
 
-Every launch — retries included — is counted on the trial (``launches``); ``--n-trials`` and
+Every launch — retries included, and an FP32 reference launched to judge the trial (the reference at its micro-batch
+size where dropout draws, :attr:`optimizer.results.trial_result.TrialResult.reference_launches`) — is counted on the
+trial (``launches``); ``--n-trials`` and
 ``budget.max_launches`` count those (:func:`optimizer.search.coordination.launches_used`). An ``invalid`` result
 that started no rank (a DeepSpeed op this node cannot build, :mod:`launchers.study.op_prep`) counts none.
 """
@@ -193,19 +195,26 @@ def make_objective(*, spec: StudySpec, space: Branches, runner: Callable[[Candid
         if artifact_dir is not None:
             trial.set_user_attr("trial_dir", artifact_dir(candidate))
         failed: list[dict[str, Any]] = []
+        references = 0  # FP32 reference launches made to judge it (TrialResult.reference_launches)
         if known is not None:  # the FP32 reference's own launch, counted as the reference (REFERENCE_LAUNCHES_ATTR)
             result = known
             trial.set_user_attr(LAUNCHES_ATTR, 0)
             trial.set_user_attr("measured_by", "the FP32 reference run")
         else:
             result = runner(candidate)
-            # An invalid result started no rank (an op this node cannot build, launchers/study/op_prep.py): no launch.
-            trial.set_user_attr(LAUNCHES_ATTR, 0 if result.outcome is Outcome.INVALID and not result.ranks else 1)
+            # An invalid result started no rank (an op this node cannot build, launchers/study/op_prep.py): no launch;
+            # a reference launched to judge it (its micro-batch's, where dropout draws) is one more
+            references += result.reference_launches
+            own = 0 if result.outcome is Outcome.INVALID and not result.ranks else 1
+            trial.set_user_attr(LAUNCHES_ATTR, own + references)
         while result.outcome in RETRIED and len(failed) < spec.trial.retries and known is None:  # maybe transient
             failed.append({"outcome": result.outcome.value, "message": result.message[-300:], "wall_s": result.wall_s})
             trial.set_user_attr("failed_attempts", failed)
             result = runner(candidate)
-            trial.set_user_attr(LAUNCHES_ATTR, len(failed) + 1)
+            references += result.reference_launches
+            trial.set_user_attr(LAUNCHES_ATTR, len(failed) + 1 + references)
+        if references:
+            trial.set_user_attr("reference_launches", references)
         if after_launch is not None:
             after_launch(trial)
         trial.set_user_attr("attempts", len(failed) + 1)

@@ -87,13 +87,17 @@ def test_the_reference_candidate_of_another_micro_batch_is_its_own_reference(tmp
     assert reference_candidate(at_micro_batch(study, 1)) == own
     judge = judge_for(study, own)
     assert (judge.name, judge.study.training.micro_batch_size, judge.own) == ("reference-mbs1", 1, True)
-    assert not judge_for(study, with_knobs(own, {"zero_stage": 1})).own  # judged by it, not it
+    assert judge.launches == 0  # its own run is the reference: no launch besides it
+    other = judge_for(study, with_knobs(own, {"zero_stage": 1}))
+    assert not other.own and other.launches == 1  # judged by it, not it: the mbs-1 reference is launched first
     assert not judge_for(study, base).own  # the study's own reference: a study runs it in its setup
+    assert judge_for(study, base).launches == judge_for(study, with_knobs(base, {"zero_stage": 1})).launches == 0
     held_by_none = judge_for(study, base, study_reference_held=False)  # dsopt trial: its run is the reference
     assert (held_by_none.name, held_by_none.study, held_by_none.own) == ("reference", study, True)
     result = kept_as_reference(judge, own, TrialResult(outcome=Outcome.OK, losses=(5.5, 5.4), loss_fidelity=None))
     assert result.loss_fidelity == 0.0
     assert losses_for(judge_for(study, with_knobs(own, {"zero_stage": 1})), [9.0]) == [5.5, 5.4]  # cached, its key
+    assert judge_for(study, with_knobs(own, {"zero_stage": 1})).launches == 0  # cached: nothing more to launch
     assert not judge_for(study, own).own  # kept: its next launch is judged like any other
     failed = TrialResult(outcome=Outcome.OOM, loss_fidelity=None)
     assert kept_as_reference(judge, own, failed) is failed

@@ -25,7 +25,7 @@ import pytest
 
 from optimizer.perf.throughput import FEATURES, Rates
 from optimizer.results.trial_result import Outcome, RankMeasurement, TrialResult
-from optimizer.search.coordination import REFERENCE_LAUNCHES_ATTR, SetupLease
+from optimizer.search.coordination import REFERENCE_LAUNCHES_ATTR, SetupLease, launches_used
 from optimizer.search.objective import DIRECTIONS, LaunchGate, TrialFailed, make_objective, open_study
 from optimizer.search.ordering import StudyModels, memory_group
 from optimizer.search.space import branches, distribution_params
@@ -233,6 +233,22 @@ def test_a_budget_not_yet_spent_lets_the_trial_launch(tiny):
     assert (claim["trial"], claim["key"], claim["worker"], claim["state"]) == (trial.number, BASE_LABEL, "w1",
                                                                                "claimed")
     assert attrs["worker"] == "w1"
+
+
+def test_a_reference_launched_to_judge_the_trial_counts_as_a_launch(tiny):
+    """A trial judged against the FP32 reference at its micro-batch size, launched for it (dropout), made two launches:
+    ``--n-trials`` and ``budget.max_launches`` count both; a retry does not launch that reference again."""
+    study = optuna.create_study(directions=list(DIRECTIONS))
+    study.set_user_attr(REFERENCE_LAUNCHES_ATTR, 1)
+    trial = _asked(study, tiny, baseline_candidate(tiny.training))
+    calls: list = []
+    judged_again = _ok(peak_allocated_bytes=5, peak_reserved_bytes=None)  # the reference is cached by then
+    gate = LaunchGate(budget=BudgetSettings(), created_at=None, worker="w1")
+    _objective(tiny, calls, replace(_crash(), reference_launches=1), judged_again, gate=gate)(trial)
+    assert calls == [BASE_LABEL, BASE_LABEL]  # a crash, retried once (trial.retries: 1)
+    assert trial.user_attrs["launches"] == 3 and trial.user_attrs["reference_launches"] == 1
+    frozen = study.get_trials(deepcopy=False)
+    assert launches_used(frozen, reference_launches=1) == 4
 
 
 # --- reuse ----------------------------------------------------------------------------------------------------------
