@@ -36,6 +36,8 @@ is classified as the built-in trial's are (:func:`launchers.rank.trial_rank.clas
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
 import json
 import os
 import random
@@ -49,6 +51,7 @@ from types import ModuleType
 from typing import Any
 
 from launchers.rank.after_import import AfterImport
+from launchers.rank.rng_draws import DrawWatch
 from launchers.rank.script_checks import (
     batch_mismatch,
     batch_shape,
@@ -90,6 +93,7 @@ class _State:
     tokens: list[int] = field(default_factory=list)
     done: int = 0
     last_boundary: float = 0.0
+    draws: DrawWatch = field(default_factory=DrawWatch)  # training draws random numbers (rng_draws.py)
 
 
 _state: _State | None = None
@@ -138,21 +142,18 @@ def _seed(seed: int) -> None:
 
     random.seed(seed)
     torch.manual_seed(seed)
-    try:
+    with contextlib.suppress(ImportError):
         import numpy
-    except ImportError:
-        return
-    numpy.random.seed(seed)
+        numpy.random.seed(seed)
 
 
 def _counting(function: Any) -> Any:
+    @functools.wraps(function)
     def checkpoint(*args: Any, **kwargs: Any) -> Any:
         if _state is not None:
             _state.ckpt_calls += 1
         return function(*args, **kwargs)
 
-    checkpoint.__wrapped__ = function  # type: ignore[attr-defined]
-    checkpoint.__doc__ = function.__doc__
     return checkpoint
 
 
@@ -162,6 +163,7 @@ def _patch_deepspeed(deepspeed: ModuleType) -> None:
     if checkpointing is not None and hasattr(checkpointing, "checkpoint"):
         checkpointing.checkpoint = _counting(checkpointing.checkpoint)
 
+    @functools.wraps(real)
     def initialize(*args: Any, **kwargs: Any) -> Any:
         result = real(*args, **kwargs)
         if _state is not None and _state.engine is None:
@@ -170,8 +172,6 @@ def _patch_deepspeed(deepspeed: ModuleType) -> None:
                 _on_engine(result[0])
         return result
 
-    initialize.__wrapped__ = real  # type: ignore[attr-defined]
-    initialize.__doc__ = real.__doc__
     deepspeed.initialize = initialize
 
 
@@ -209,6 +209,7 @@ def _on_engine(engine: Any) -> None:
         if state.first_batch is None and batch is not None:
             state.first_batch = batch
         state.step_tokens += tokens or 0
+        state.draws.before()
         out = forward(*args, **kwargs)
         state.forward_calls.append(state.ckpt_calls)
         return out
@@ -223,6 +224,7 @@ def _on_engine(engine: Any) -> None:
         return backward(loss, *args, **kwargs)
 
     def wrapped_step(*args: Any, **kwargs: Any) -> Any:
+        state.draws.after()  # each micro-step's forward and backward end here (DeepSpeed's step per micro-step)
         before = engine.global_steps
         out = step(*args, **kwargs)
         if engine.global_steps != before:
@@ -348,8 +350,7 @@ def _report(status: str, **failure: Any) -> dict[str, Any]:
         "build_peak_allocated_bytes": None, "script_parameters": state.init.get("script_parameters"),
         "script_trainable_parameters": state.init.get("script_trainable_parameters"),
         "tokens_per_step": max(state.tokens) if state.tokens else None,
-        "checkpoint_calls_per_forward": sorted(set(state.forward_calls)),
-    }
+        "checkpoint_calls_per_forward": sorted(set(state.forward_calls)), "draws_random": state.draws.drew}
     if status == "ok":
         report.update(_measurements())
         report.update(state.device_memory.report())

@@ -58,6 +58,7 @@ from launchers.rank.device_memory import DeviceMemory
 from launchers.rank.lazy_compile import install as compile_muon_lazily
 from launchers.rank.orphan_guard import die_with_parent
 from launchers.rank.probe_rank import after_trial, write_report
+from launchers.rank.rng_draws import DrawWatch
 from optimizer.results.loss_scaling import StepKind, min_loss_scale, skip_allowance, step_kind
 from optimizer.results.trial_result import INIT_STOP, OVER_BUDGET, StopAbove
 
@@ -285,6 +286,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
     loss_scales: list[float | None] = []
     step_times: list[float] = []
     peaks: LivePeaks | None = None
+    draws = DrawWatch()
     done = 0  # updates applied so far: a skipped (overflowed) step's batch is replayed
     attempts = warmup + measured + skip_allowance(fp16)
     while stopped_at is None and done < warmup + measured and len(losses) < attempts:
@@ -303,10 +305,12 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
         total = torch.zeros((), dtype=torch.float64, device=engine.device)
         manual_norm = None
         for micro_index, batch in enumerate(batches):
+            draws.before(watch=done < warmup)  # the warm-up's untimed micro-steps only
             loss = engine(batch)
             if plan["model"].get("reference_model"):  # the reference's forward after the policy's, as TRL's
                 loss = anchored(loss, reference_forward(policy=engine, reference=reference, batch=batch))
             engine.backward(loss)
+            draws.after()
             if micro_index == accumulation - 1 and not _reports_grad_norm(engine):
                 manual_norm = _grad_norm(engine.module)  # stage 0 fp32: reduced grads are on the parameters
             try:
@@ -357,15 +361,10 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
         "stopped_at": stopped_at, "over_limit": over,
         "device": "cuda" if cuda else "cpu",
         **device_identity(cuda=cuda),  # device_name, device_total_bytes: None on CPU ranks
-        "construction": construction,
-        "built_partitioned": built_partitioned,
-        "losses": losses,
-        "grad_norms": grad_norms,
-        "applied": applied,
-        "loss_scales": loss_scales,
-        "step_times_s": step_times,
-        "init_s": init_s,
-        "peak_rss_bytes": _peak_rss_bytes(),
+        "construction": construction, "built_partitioned": built_partitioned,
+        "losses": losses, "grad_norms": grad_norms, "applied": applied, "loss_scales": loss_scales,
+        "step_times_s": step_times, "init_s": init_s, "peak_rss_bytes": _peak_rss_bytes(),
+        "draws_random": draws.drew,  # the warm-up's micro-steps drew random numbers (launchers/rank/rng_draws.py)
         **init_peaks,
     }
     if cuda:  # training's peaks since the reset after init (none when stopped there); init's pool is in them

@@ -40,13 +40,29 @@ from optimizer.study.study_file import StudySpec
 
 def draws_random(study: StudySpec) -> bool:
     """Whether the study's training draws random numbers whose assignment to samples depends on the micro-batch
-    size: the model's dropout layers (``model.dropout``; for an ``hf_config`` model, any of its dropout
-    probabilities above 0, :mod:`optimizer.study.hf_config`) or LoRA's ``lora_dropout`` above 0."""
+    size: as the study says — the model's dropout layers (``model.dropout``; for an ``hf_config`` model, any of its
+    dropout probabilities above 0, :mod:`optimizer.study.hf_config`) or LoRA's ``lora_dropout`` above 0 — or as its
+    FP32 reference run measured (:func:`reference_drew`: a script's or an entry point's model with dropout the model
+    section does not say)."""
     model = study.model
     if not isinstance(model, TransformerModel):
         return False
     lora_dropout = float(json.loads(model.peft).get("lora_dropout", 0.0) or 0.0) if model.peft else 0.0
-    return model.dropout or lora_dropout > 0
+    return model.dropout or lora_dropout > 0 or reference_drew(study)
+
+
+def reference_drew(study: StudySpec) -> bool:
+    """Whether the study's FP32 reference run — the one cached for the study as it is now — drew random numbers while
+    it trained (a rank's ``draws_random``, :mod:`launchers.rank.rng_draws`); False before it has run."""
+    losses = cached_reference_losses(study)
+    folder = study.output_dir / "reference"
+    try:
+        reports = [json.loads(path.read_text()) for path in sorted(folder.glob("rank*.json"))] if losses else []
+    except (OSError, ValueError):
+        return False
+    if not reports or list(reports[0].get("losses", ())) != losses:  # not the run the cached losses came from
+        return False
+    return any(report.get("draws_random") for report in reports)
 
 
 def reference_name(study: StudySpec, micro_batch_size: int) -> str:

@@ -17,6 +17,7 @@ from launchers.trial.reference_batches import (
     judge_for,
     kept_as_reference,
     losses_for,
+    reference_drew,
     reference_name,
 )
 from launchers.trial.run import reference_candidate, reference_key
@@ -103,3 +104,51 @@ def test_the_reference_candidate_of_another_micro_batch_is_its_own_reference(tmp
     assert kept_as_reference(judge, own, failed) is failed
     judged = TrialResult(outcome=Outcome.OK, losses=(5.5, 5.4), loss_fidelity=1e-8)
     assert kept_as_reference(judge_for(study, with_knobs(own, {"zero_stage": 1})), own, judged) is judged
+
+
+def test_a_reference_run_that_drew_makes_each_micro_batch_judge_its_own(tmp_path):
+    """A model whose dropout the study does not say (cpu-tiny: ``dropout: false``; a script's model given by its
+    shape): once the FP32 reference run reports that its training drew random numbers, candidates at another
+    micro-batch are judged against their own; a report of another run (other losses) says nothing."""
+    study = _study(tmp_path, "cpu-tiny")
+    assert not draws_random(study)
+    folder = study.output_dir / "reference"
+    folder.mkdir(parents=True)
+    (study.output_dir / "reference.json").write_text(json.dumps({"key": reference_key(study), "losses": [5.0, 4.9]}))
+    for rank, drew in ((0, False), (1, True)):
+        (folder / f"rank{rank}.json").write_text(json.dumps({"losses": [5.0, 4.9], "draws_random": drew}))
+    assert draws_random(study) and reference_drew(study)
+    candidate = with_knobs(baseline_candidate(study.training), {"zero_stage": 1, "micro_batch_size": 1})
+    judge = judge_for(study, candidate)
+    assert (judge.name, judge.launches) == ("reference-mbs1", 1)
+    (folder / "rank0.json").write_text(json.dumps({"losses": [5.5, 4.9], "draws_random": False}))  # another run
+    assert not reference_drew(study) and judge_for(study, candidate).name == "reference"
+
+
+def test_the_rank_sees_dropout_draw_and_recomputation_not():
+    """launchers/rank/rng_draws.py on a real module: a micro-step with dropout draws, one without does not, and
+    recomputation under torch.utils.checkpoint leaves the generator as the forward left it."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from launchers.rank.rng_draws import DrawWatch
+
+    def step(module: torch.nn.Module, *, recompute: bool = False) -> bool:
+        watch = DrawWatch()
+        watch.before()
+        x = torch.ones(4, 8, requires_grad=True)
+        out = checkpoint(module, x, use_reentrant=False) if recompute else module(x)
+        out.sum().backward()
+        watch.after()
+        return watch.drew
+
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    dropped = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1))
+    assert not step(plain) and not step(plain, recompute=True)
+    assert step(dropped) and step(dropped, recompute=True)
+    assert not step(dropped.eval())
+    skipped = DrawWatch()
+    skipped.before(watch=False)
+    dropped.train()(torch.ones(2, 8))
+    skipped.after()
+    assert not skipped.drew

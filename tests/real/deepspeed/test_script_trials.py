@@ -137,3 +137,28 @@ def test_a_script_trial_of_an_offloaded_candidate_checks_its_engine_and_trains(t
     result = json.loads(next((study.parent / "plain-deepspeed" / "trials").glob("z3_*/result.json")).read_text())
     assert result["outcome"] == "ok", result.get("message")
     assert "agreement with the FP32 baseline" in run.stdout and "ok)" in run.stdout, run.stdout
+
+
+def test_a_script_model_s_undeclared_dropout_is_measured_and_each_micro_batch_judged_by_its_own(tmp_path):
+    # The study plans examples/tiny-llama (attention_dropout 0) while the script trains a copy with dropout 0.1:
+    # the FP32 reference's ranks see the generator advance in training (launchers/rank/rng_draws.py), so a
+    # candidate at micro-batch 1 is judged against the reference at micro-batch 1 — same masks, fp32 agreement —
+    # not against the study's at 2, which differs by the masks' noise.
+    pytest.importorskip("transformers")
+    examples = _examples(tmp_path)
+    config = json.loads((examples / "tiny-llama" / "config.json").read_text())
+    (examples / "dropout-llama").mkdir()
+    (examples / "dropout-llama" / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    study = examples / "plain_deepspeed" / "study.yaml"
+    study.write_text(study.read_text().replace('command: [python, train.py, ', 'command: [python, train.py, '
+                                               '--model, ../dropout-llama, '))
+    run = _dsopt("trial", str(study), "--set", "zero_stage=2", "--set", "micro_batch_size=1", "--set",
+                 "precision=fp32", "--set", "checkpointing=none", "--json", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    output = study.parent / "plain-deepspeed"
+    assert all(json.loads(p.read_text())["draws_random"] for p in (output / "reference").glob("rank*.json"))
+    assert (output / "reference-mbs1.json").is_file()
+    data = json.loads(run.stdout)
+    assert data["outcome"] == "ok" and data["loss_fidelity"] <= 1e-4, data
+    losses, base = data["losses"], json.loads((output / "reference.json").read_text())["losses"]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, base, strict=True)) > 1e-4  # the masks' noise at mbs 2

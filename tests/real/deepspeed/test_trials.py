@@ -93,6 +93,8 @@ TOKENS_PER_STEP = 8 * 64  # cpu-tiny: global batch 8 x 64 tokens
 
 def test_reference_is_cached_and_falls(study, reference):
     assert len(reference) == study.trial.warmup_steps + study.trial.measured_steps
+    reports = [json.loads(path.read_text()) for path in sorted((study.output_dir / "reference").glob("rank*.json"))]
+    assert [r["draws_random"] for r in reports] == [False, False]  # no dropout: nothing drawn while it trained
     assert reference[-1] < reference[0]  # the synthetic task is learnable
     cache = json.loads((study.output_dir / "reference.json").read_text())
     assert cache["losses"] == reference
@@ -211,6 +213,8 @@ def test_with_dropout_a_candidate_is_judged_against_the_reference_of_its_micro_b
     study = load_study(_study_copy(tmp_path, model__dropout=True))
     assert study.training.micro_batch_size == 2
     base = reference_losses(study)
+    reports = [json.loads(path.read_text()) for path in sorted((study.output_dir / "reference").glob("rank*.json"))]
+    assert len(reports) == 2 and all(r["draws_random"] for r in reports)  # the ranks saw the masks drawn
     candidate = with_knobs(baseline_candidate(study.training), {"zero_stage": 1, "micro_batch_size": 1})
     judged = losses_for(judge_for(study, candidate), base)
     assert (study.output_dir / "reference-mbs1.json").is_file() and judged != base
