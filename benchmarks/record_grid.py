@@ -80,7 +80,8 @@ def judge_again(study: StudySpec, data: dict[str, Any], out: Path, reference: li
             return 2
         judge = judge_for(study, candidate)
         if judge.own:  # the reference of its micro-batch: its kept losses are that reference, not launched again
-            keep_reference(judge.study, name=judge.name, candidate=candidate, losses=losses)
+            keep_reference(judge.study, name=judge.name, candidate=candidate, losses=losses,
+                           drew=bool(result.get("draws_random")))
         judged_by = losses if judge.own else losses_for(judge, reference, say=lambda text: print(text, flush=True))
         fidelity = loss_fidelity(losses, judged_by) if judged_by else None
         print(f"{entry['label']}: {entry['loss_fidelity']} -> {fidelity}", flush=True)

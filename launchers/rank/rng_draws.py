@@ -26,24 +26,32 @@ class DrawWatch:
     def __init__(self) -> None:
         self.drew = False
         self._before: bytes | None = None
+        self._cuda = False
 
     def before(self, *, watch: bool = True) -> None:
         """At a micro-step's forward; ``watch`` False: not this one (a timed step)."""
         if watch and not self.drew:
-            self._before = _fingerprint()
+            self._cuda = _cuda_ready()  # decided here: CUDA initialized inside the step is not a draw
+            self._before = _fingerprint(cuda=self._cuda)
 
     def after(self) -> None:
         """At the end of its backward."""
         if not self.drew and self._before is not None:
-            self.drew = _fingerprint() != self._before
+            self.drew = _fingerprint(cuda=self._cuda) != self._before
         self._before = None
 
 
-def _fingerprint() -> bytes:
+def _cuda_ready() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _fingerprint(*, cuda: bool) -> bytes:
     import torch
 
     digest = hashlib.sha1(_bytes(torch.random.get_rng_state()))
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if cuda:
         digest.update(_bytes(torch.cuda.get_rng_state()))
     return digest.digest()
 

@@ -209,7 +209,7 @@ def _on_engine(engine: Any) -> None:
         if state.first_batch is None and batch is not None:
             state.first_batch = batch
         state.step_tokens += tokens or 0
-        state.draws.before()
+        state.draws.before(watch=state.done < state.plan["warmup_steps"])  # the untimed warm-up only
         out = forward(*args, **kwargs)
         state.forward_calls.append(state.ckpt_calls)
         return out

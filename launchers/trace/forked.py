@@ -16,19 +16,27 @@ OpenMP's pool does not survive a fork. Fake tensors compute nothing, so nothing 
 What a copy computed comes back pickled through a pipe when it has no item left; it ends with ``os._exit``
 (no ``atexit`` handler, no second flush of this process's buffers, no final collection). An item a copy could not
 finish — it raised, or the copy died — is computed again here, where its exception, if any, is raised as it
-would be without copies. A copy still running when this process stops (an exception, Ctrl-C) is killed.
+would be without copies. A copy still running when this process stops (an exception, Ctrl-C) is killed, and one
+dies with it (a parent-death signal). Native threads (OpenMP's pool, a driver's) are not Python threads: a copy
+stuck on a lock one of them held at the fork is killed past a deadline (:data:`WAIT_FACTOR`) and its items are
+computed here, as they are when there are more items than the queue pipe holds.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pickle
+import select
 import signal
 import struct
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
+
+from launchers.rank.orphan_guard import die_with_parent
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -46,31 +54,45 @@ def fork_safe() -> bool:
 
 def shared_map(fn: Callable[[T], R], items: Sequence[T], *, workers: int) -> list[R]:
     """``[fn(item) for item in items]``, in order, computed by this process and up to ``workers`` − 1 forked
-    copies of it (module doc); in this process alone when there is one item, one worker, or no safe fork."""
+    copies of it (module doc); in this process alone when there is one item, one worker, no safe fork, or more
+    items than the queue pipe holds."""
     copies = min(workers, len(items)) - 1
     if copies < 1 or not fork_safe():
         return [fn(item) for item in items]
     queue_read, queue_write = os.pipe()
+    if len(items) * _TOKEN.size > fcntl.fcntl(queue_write, fcntl.F_GETPIPE_SZ):  # written whole before any read
+        os.close(queue_read)
+        os.close(queue_write)
+        return [fn(item) for item in items]
     os.write(queue_write, b"".join(_TOKEN.pack(index) for index in range(len(items))))
     os.close(queue_write)
     children: list[tuple[int, int]] = []
     done: dict[int, R] = {}
     try:
+        parent = os.getpid()
         for _ in range(copies):
             read, write = os.pipe()
             sys.stdout.flush()
             sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:  # the copy: never returns
-                os.close(read)
-                _serve(fn, items, queue_read, write)
+            previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # no Ctrl-C between fork and _serve
+            try:
+                pid = os.fork()
+                if pid == 0:  # the copy: never returns
+                    _serve(fn, items, queue_read, write, inherited=[read, *(r for _, r in children)],
+                           mask=previous, parent=parent)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
             os.close(write)
             children.append((pid, read))
+        start = time.monotonic()
         for index in _claims(queue_read):
             done[index] = fn(items[index])
+        wait_s = max(WAIT_FLOOR_S, WAIT_FACTOR * (time.monotonic() - start))
         while children:
-            pid, read = children.pop(0)
-            done.update(_collected(pid, read))
+            pid, read = children[0]
+            done.update(_collected(pid, read, deadline=time.monotonic() + wait_s))
+            children.pop(0)
+            os.close(read)
     finally:
         os.close(queue_read)
         for pid, read in children:  # stopped early: the copies still running are killed
@@ -79,17 +101,30 @@ def shared_map(fn: Callable[[T], R], items: Sequence[T], *, workers: int) -> lis
     return [done[index] if index in done else fn(items[index]) for index in range(len(items))]
 
 
+WAIT_FLOOR_S = 120.0
+WAIT_FACTOR = 4.0
+"""How long this process waits for a copy once its own items are done: ``WAIT_FACTOR`` times as long as it took
+over them, at least ``WAIT_FLOOR_S`` — a copy past that is taken for stuck (a lock a native thread held at the fork),
+killed, and its items computed here."""
+
+
 def _claims(queue_read: int) -> Iterator[int]:
     """The indices this process takes from the queue, one at a time, until it is empty."""
     while len(token := os.read(queue_read, _TOKEN.size)) == _TOKEN.size:
         yield _TOKEN.unpack(token)[0]
 
 
-def _serve(fn: Callable[[T], R], items: Sequence[T], queue_read: int, write: int) -> None:
-    """A copy's life: take items until none is left, send what it computed, end without cleaning up."""
+def _serve(fn: Callable[[T], R], items: Sequence[T], queue_read: int, write: int, *, inherited: list[int],
+           mask: set[signal.Signals], parent: int) -> None:
+    """A copy's life: take items until none is left, send what it computed, end without cleaning up; it ends with
+    this process too (a parent-death signal) and never returns into the caller's frames."""
     status = 1
     try:
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends a copy at once; this process redoes its items
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for fd in inherited:  # this copy's read end, and the older copies'
+            os.close(fd)
+        die_with_parent(signal.SIGKILL, parent_pid=parent)
         if "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(1)
         results = {}
@@ -105,14 +140,22 @@ def _serve(fn: Callable[[T], R], items: Sequence[T], queue_read: int, write: int
         os._exit(status)
 
 
-def _collected(pid: int, read: int) -> dict:
-    """What the copy ``pid`` sent (nothing, if it died before sending), once it has ended."""
-    with os.fdopen(read, "rb") as stream:
-        data = stream.read()
+def _collected(pid: int, read: int, *, deadline: float) -> dict:
+    """What the copy ``pid`` sent through ``read`` (nothing, if it died before sending, or is killed at ``deadline``),
+    once it has ended."""
+    chunks = []
+    while (left := deadline - time.monotonic()) > 0 and select.select([read], [], [], left)[0]:
+        chunk = os.read(read, 1 << 20)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    else:
+        _kill(pid)  # stuck past the deadline: its items are computed here
+        return {}
     os.waitpid(pid, 0)
     try:
-        return pickle.loads(data) if data else {}
-    except (pickle.UnpicklingError, EOFError):  # cut short: its items are computed here
+        return pickle.loads(b"".join(chunks)) if chunks else {}
+    except Exception:  # cut short (it died mid-send): its items are computed here
         return {}
 
 

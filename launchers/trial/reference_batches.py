@@ -52,17 +52,14 @@ def draws_random(study: StudySpec) -> bool:
 
 
 def reference_drew(study: StudySpec) -> bool:
-    """Whether the study's FP32 reference run — the one cached for the study as it is now — drew random numbers while
-    it trained (a rank's ``draws_random``, :mod:`launchers.rank.rng_draws`); False before it has run."""
-    losses = cached_reference_losses(study)
-    folder = study.output_dir / "reference"
+    """Whether the study's FP32 reference — the one cached for the study as it is now, launched as the reference or
+    kept from its own candidate's trial — drew random numbers while it trained (``draws_random`` in
+    ``reference.json``, any rank's, :mod:`launchers.rank.rng_draws`); False before it has run."""
     try:
-        reports = [json.loads(path.read_text()) for path in sorted(folder.glob("rank*.json"))] if losses else []
+        data = json.loads((study.output_dir / "reference.json").read_text())
     except (OSError, ValueError):
         return False
-    if not reports or list(reports[0].get("losses", ())) != losses:  # not the run the cached losses came from
-        return False
-    return any(report.get("draws_random") for report in reports)
+    return cached_reference_losses(study) is not None and isinstance(data, dict) and data.get("draws_random") is True
 
 
 def reference_name(study: StudySpec, micro_batch_size: int) -> str:
@@ -130,5 +127,5 @@ def kept_as_reference(judge: Judge, candidate: Candidate, result: TrialResult) -
     trial)."""
     if not judge.own or result.outcome is not Outcome.OK or not result.losses:
         return result
-    keep_reference(judge.study, name=judge.name, candidate=candidate, losses=result.losses)
+    keep_reference(judge.study, name=judge.name, candidate=candidate, losses=result.losses, drew=result.draws_random)
     return dataclasses.replace(result, loss_fidelity=0.0)

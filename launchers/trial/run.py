@@ -67,7 +67,6 @@ class ReferenceFailed(RuntimeError):
         super().__init__(f"the FP32 reference run ended with '{result.outcome}': {result.message}")
 
 
-
 NOT_THE_MODEL = ("activations", "traced_activations", "inventory")
 """Spec fields that say how the ledger estimates, not what the ranks build."""
 
@@ -128,10 +127,9 @@ def multi_node_problem(study: StudySpec, *, slurm_nodes: int | None = None) -> s
 def check_devices(study: StudySpec, *, slot: WorkerSlot | None = None) -> tuple[str, ...] | None:
     """Refuse (UserError) a study whose ranks this machine cannot provide; return this worker's GPU slice
     (``CUDA_VISIBLE_DEVICES`` entries for :func:`run_trial`'s ``gpus``), None for CPU ranks and for multi-node
-    studies, whose worker holds whole nodes (SLURM sets each node's devices).
-
-    ``slot`` (default: :func:`launchers.trial.node_share.worker_slot` from the environment) says which slice of the
-    node's visible GPUs this worker takes when several share the node."""
+    studies, whose worker holds whole nodes (SLURM sets each node's devices). ``slot`` (default:
+    :func:`launchers.trial.node_share.worker_slot` from the environment) says which slice of the node's visible GPUs
+    this worker takes when several share the node."""
     problem = multi_node_problem(study)
     if problem:
         raise UserError(source=str(study.path), key="hardware.nodes", why=problem)
@@ -406,15 +404,17 @@ def reference_losses(study: StudySpec, *, gpus: Sequence[str] | None = None, pro
                            probe=probe, probe_timeout_s=probe_timeout_s)
     if result.outcome is not Outcome.OK:
         raise ReferenceFailed(result)
-    keep_reference(study, name=name, candidate=candidate, losses=result.losses)
+    keep_reference(study, name=name, candidate=candidate, losses=result.losses, drew=result.draws_random)
     return list(result.losses)
 
 
-def keep_reference(study: StudySpec, *, name: str, candidate: Candidate, losses: Sequence[float]) -> None:
-    """Cache ``losses`` as the study's FP32 reference ``<name>.json`` under its key, replaced whole."""
+def keep_reference(study: StudySpec, *, name: str, candidate: Candidate, losses: Sequence[float],
+                   drew: bool = False) -> None:
+    """Cache ``losses`` as the study's FP32 reference ``<name>.json`` under its key, replaced whole; ``drew``: its
+    training drew random numbers (``draws_random``, :func:`launchers.trial.reference_batches.reference_drew`)."""
     cache = study.output_dir / f"{name}.json"
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"key": reference_key(study), "versions": installed_versions(),
+    tmp.write_text(json.dumps({"key": reference_key(study), "versions": installed_versions(), "draws_random": drew,
                                "candidate": candidate.knobs(), "losses": list(losses)}, indent=2) + "\n")
     tmp.replace(cache)

@@ -1,6 +1,6 @@
 """Per-study calibration of the time and memory models from measured trials (pure; numpy only).
 
-**Time.** A measured trial gives the step time t of a known amount of work x (:class:`~optimizer.perf.throughput.Work`:
+**Time.** A measured trial gives the step time t of a known amount of work x (:class:`~optimizer.perf.rates.Work`:
 FLOPs by precision, bytes communicated, offload bytes, host parameters, micro-steps per stage). The model is
 linear in the seconds-per-unit θ: t ≈ x·θ. Calibration solves
 

@@ -30,7 +30,7 @@ probe answers for *this* model on *this* machine, not for a datasheet's ideal GE
   collective call's latency — which the FLOPs and bytes above leave out.
 
 :func:`optimizer.perf.probed_rates.probed_rates` turns the probe into the time model's seconds per unit
-(:class:`~optimizer.perf.throughput.Rates`) with the per-micro-batch shape of the compute rate
+(:class:`~optimizer.perf.rates.Rates`) with the per-micro-batch shape of the compute rate
 (:attr:`Rates.flop_factors`): the machine's kernels are not linear in FLOPs (a CPU's bf16 GEMM runs 2.3× faster per
 FLOP at micro-batch 4 than at 1; fp32 1.04×).
 """

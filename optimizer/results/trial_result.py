@@ -165,6 +165,9 @@ class TrialResult:
     script_trainable_parameters: int | None = None
     """A script trial: how many of them train (``requires_grad``: PEFT's adapters, what the script left unfrozen),
     beside the planned Ψtr (``model.peft``, ``training.frozen``); None for dsopt's own step."""
+    draws_random: bool = False
+    """A rank saw its training draw random numbers (dropout masks; ``launchers/rank/rng_draws.py``): an FP32
+    reference that drew makes each micro-batch be judged by its own (``launchers/trial/reference_batches.py``)."""
     reference_launches: int = 0
     """FP32 reference runs launched to judge this trial besides its own launch: the reference at its micro-batch size
     where training draws dropout masks (``launchers/trial/reference_batches.py``), 1 the first time it is needed.
@@ -320,7 +323,8 @@ def summarize(
     so_far = {"ranks": ranks, "losses": losses, "grad_norms": tuple(rank_reports[0]["grad_norms"]),
               "applied": applied, "loss_scales": tuple(rank_reports[0].get("loss_scales", ())),
               "step_time_s": step_time, "tokens_per_s": (tokens_per_step / step_time) if step_time else None,
-              "wall_s": wall_s, **device}
+              "wall_s": wall_s, "draws_random": any(bool(r.get("draws_random")) for r in rank_reports.values()),
+              **device}
     if OVER_BUDGET in statuses:  # stopped over the budget: what was measured, no fidelity
         stopped_at, message = _stop_reason(rank_reports)
         return TrialResult(outcome=Outcome.OOM, stopped_at=stopped_at, message=message, log_tail=log_tail,

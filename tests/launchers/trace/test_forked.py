@@ -10,6 +10,7 @@ import time
 import psutil
 import pytest
 
+import launchers.trace.forked as forked
 from launchers.trace.forked import fork_safe, shared_map
 
 pytestmark = pytest.mark.skipif(not fork_safe(), reason="forks only on Linux with one Python thread")
@@ -52,32 +53,54 @@ def test_with_another_thread_alive_nothing_forks():
         other.join()
 
 
-def test_an_item_a_copy_failed_is_computed_here():
+def test_an_item_a_copy_failed_is_computed_here(tmp_path):
     before = _children()
     parent = os.getpid()
 
     def fails_in_copies(item: int) -> tuple[int, int]:
         time.sleep(0.3)
         if os.getpid() != parent:
+            (tmp_path / f"copy-took-{item}").touch()
             raise RuntimeError("only in a copy")
         return item + 1, os.getpid()
 
     out = shared_map(fails_in_copies, list(range(4)), workers=2)
     assert out == [(i + 1, parent) for i in range(4)]
+    assert list(tmp_path.glob("copy-took-*"))  # the copy did take an item, and this process did it again
     assert _children() <= before
 
 
-def test_a_copy_that_dies_loses_nothing():
+def test_a_copy_that_dies_loses_nothing(tmp_path):
     before = _children()
     parent = os.getpid()
 
     def dies_in_copies(item: int) -> int:
         time.sleep(0.3)
         if os.getpid() != parent:
+            (tmp_path / f"copy-took-{item}").touch()
             os._exit(9)
         return item * 10
 
     assert shared_map(dies_in_copies, list(range(4)), workers=2) == [0, 10, 20, 30]
+    assert list(tmp_path.glob("copy-took-*"))
+    assert _children() <= before
+
+
+def test_a_stuck_copy_is_killed_past_the_deadline_and_its_items_computed_here(tmp_path, monkeypatch):
+    monkeypatch.setattr(forked, "WAIT_FLOOR_S", 1.0)
+    before = _children()
+    parent = os.getpid()
+
+    def stuck_in_copies(item: int) -> int:
+        if os.getpid() != parent:
+            (tmp_path / f"copy-took-{item}").touch()
+            time.sleep(120)  # a lock held forever
+        time.sleep(0.3)
+        return item * 10
+
+    start = time.monotonic()
+    assert shared_map(stuck_in_copies, list(range(4)), workers=2) == [0, 10, 20, 30]
+    assert time.monotonic() - start < 30 and list(tmp_path.glob("copy-took-*"))
     assert _children() <= before
 
 

@@ -108,20 +108,21 @@ def test_the_reference_candidate_of_another_micro_batch_is_its_own_reference(tmp
 
 def test_a_reference_run_that_drew_makes_each_micro_batch_judge_its_own(tmp_path):
     """A model whose dropout the study does not say (cpu-tiny: ``dropout: false``; a script's model given by its
-    shape): once the FP32 reference run reports that its training drew random numbers, candidates at another
-    micro-batch are judged against their own; a report of another run (other losses) says nothing."""
+    shape): once the cached FP32 reference says its training drew random numbers — whether it was launched as the
+    reference or kept from its own candidate's trial — candidates at another micro-batch are judged against their
+    own; a reference cached for another study (another key) says nothing."""
     study = _study(tmp_path, "cpu-tiny")
     assert not draws_random(study)
-    folder = study.output_dir / "reference"
-    folder.mkdir(parents=True)
-    (study.output_dir / "reference.json").write_text(json.dumps({"key": reference_key(study), "losses": [5.0, 4.9]}))
-    for rank, drew in ((0, False), (1, True)):
-        (folder / f"rank{rank}.json").write_text(json.dumps({"losses": [5.0, 4.9], "draws_random": drew}))
+    base = baseline_candidate(study.training)
+    result = TrialResult(outcome=Outcome.OK, losses=(5.0, 4.9), loss_fidelity=None, draws_random=True)
+    kept_as_reference(judge_for(study, base, study_reference_held=False), base, result)  # dsopt trial's own run
+    assert json.loads((study.output_dir / "reference.json").read_text())["draws_random"] is True
     assert draws_random(study) and reference_drew(study)
-    candidate = with_knobs(baseline_candidate(study.training), {"zero_stage": 1, "micro_batch_size": 1})
+    candidate = with_knobs(base, {"zero_stage": 1, "micro_batch_size": 1})
     judge = judge_for(study, candidate)
     assert (judge.name, judge.launches) == ("reference-mbs1", 1)
-    (folder / "rank0.json").write_text(json.dumps({"losses": [5.5, 4.9], "draws_random": False}))  # another run
+    stale = json.loads((study.output_dir / "reference.json").read_text()) | {"key": "another study's"}
+    (study.output_dir / "reference.json").write_text(json.dumps(stale))
     assert not reference_drew(study) and judge_for(study, candidate).name == "reference"
 
 

@@ -131,7 +131,7 @@ def test_a_reference_cached_under_other_versions_is_run_again(repo_root, tmp_pat
     assert len(runs) == 1
     stored = json.loads(cache.read_text())
     # cpu-tiny's baseline: FP32 at stage 0 fits its 2 GiB ranks, so it is the reference (launchers/trial/run.py)
-    assert stored == {"key": key, "versions": current, "losses": [2.0, 1.5],
+    assert stored == {"key": key, "versions": current, "losses": [2.0, 1.5], "draws_random": False,
                       "candidate": {"zero_stage": 0, "offload_optimizer": "none", "offload_param": "none",
                                     "precision": "fp32", "checkpointing": "none", "micro_batch_size": 2}}
     assert stored["key"] != stale
