@@ -15,8 +15,9 @@ DeepSpeed, transformers and PEFT — hundreds of thousands of long-lived module 
   holds are left to the operating system instead of being collected.
 
 A trial's rank keeps the default thresholds: its live-tensor peak (:mod:`launchers.rank.cpu_memory`) must be the
-one a run without dsopt has, and a tensor held by a reference cycle is freed when a collection finds it. It only
-freezes at exit, after its report is written (:func:`no_collection_at_exit`). Processes that measure no real
+one a run without dsopt has, and a tensor held by a reference cycle is freed when a collection finds it. Once its
+report is written and its process group torn down, a rank program ends at once (:func:`end_rank`): no ``atexit``
+handler, no interpreter finalization, no C++ static destructor. Processes that measure no real
 tensor — the ``dsopt`` command itself (planning, the study loop) — also collect less often
 (:func:`for_planning`), except while they trace: a trace measures liveness as a run does (fake storages freed
 when nothing holds them, ``torch.distributed._tools.mem_tracker`` and ``launchers/trace/tracer.py`` through weak
@@ -31,10 +32,12 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
 import runpy
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NoReturn
 
 PLANNING_THRESHOLDS = (20_000, 20, 20)
 """``gc.set_threshold`` in a planning process: a young collection every 20,000 net allocations instead of 700,
@@ -54,6 +57,20 @@ def no_collection_at_exit() -> None:
     if not _registered:
         atexit.register(gc.freeze)
         _registered = True
+
+
+def end_rank(code: int) -> NoReturn:
+    """End a rank program now, with ``code``, its output flushed (call it once the report is written and the process
+    group destroyed). ``os._exit`` skips the interpreter's finalization and the C++ static destructors that run after
+    it, where a CPU rank now and then aborted after writing its report ("terminate called without an active
+    exception": a ``std::thread`` destroyed while still joinable, SIGABRT) — seen in a study's FP32 reference and in
+    the fresh-clone suite's tests/real/deepspeed/test_init_real.py, each turning a measured run into a crash. Nothing
+    a rank program writes waits for the exit: its reports are written and renamed before; the ``atexit`` handlers
+    skipped are the interpreter's own (and :func:`no_collection_at_exit`'s, which this makes moot). A user's script
+    ends alike, through its hook (:func:`launchers.rank.script_hook._finish`)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def for_planning() -> None:

@@ -105,4 +105,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from launchers.rank.collector import end_rank
+
+    end_rank(main())

@@ -372,13 +372,11 @@ def main(argv: list[str]) -> int:
 
     import torch.distributed
 
-    from launchers.rank.collector import no_collection_at_exit
     from launchers.rank.cpu_info import install as keep_cpu_info
     from launchers.rank.lazy_compile import install as compile_muon_lazily
     from launchers.rank.orphan_guard import die_with_parent
 
     die_with_parent(signal.SIGKILL)  # torchrun SIGKILLed: its ranks go too (launchers/rank/orphan_guard.py)
-    no_collection_at_exit()  # the report written, no full collection of the heap (launchers/rank/collector.py)
     keep_cpu_info()  # DeepSpeed's op loads ask py-cpuinfo; once per node (launchers/rank/cpu_info.py)
     compile_muon_lazily()  # DeepSpeed's Muon kernels: compiled if ever called (launchers/rank/lazy_compile.py)
     report = run(json.loads(plan_path.read_text()))
@@ -386,10 +384,10 @@ def main(argv: list[str]) -> int:
     if torch.distributed.is_initialized():  # as a trial's ranks end: every rank here, then the group torn down
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from launchers.rank.collector import end_rank
+
+    end_rank(main(sys.argv[1:]))  # no interpreter teardown after the report (launchers/rank/collector.py)

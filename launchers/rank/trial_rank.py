@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from launchers.models.builtin import build_workload
 from launchers.models.reference import anchored, reference_engine, reference_forward
-from launchers.rank.collector import no_collection_at_exit
+from launchers.rank.collector import end_rank
 from launchers.rank.cpu_info import install as keep_cpu_info
 from launchers.rank.cpu_memory import LivePeaks, start_cpu_profiler, stop_cpu_profiler
 from launchers.rank.device_identity import cuda_rank, device_identity
@@ -392,7 +392,6 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
 
 def main() -> int:
     die_with_parent(signal.SIGKILL)  # torchrun SIGKILLed: its ranks go too (launchers/rank/orphan_guard.py)
-    no_collection_at_exit()  # the report written, no full collection of the heap (launchers/rank/collector.py)
     keep_cpu_info()  # DeepSpeed asks py-cpuinfo once per node, not twice per rank (launchers/rank/cpu_info.py)
     plan, out_dir = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     rank = int(os.environ.get("RANK", "0"))
@@ -410,10 +409,8 @@ def main() -> int:
         if code == 0:  # ok, or stopped over the budget: every rank is here, none in a collective
             dist.barrier()
         dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_rank(main())  # no interpreter teardown after the report (launchers/rank/collector.py)

@@ -69,3 +69,30 @@ def test_a_trace_in_a_planning_process_runs_under_the_default_thresholds():
         assert gc.get_threshold() == PLANNING_THRESHOLDS
     finally:
         gc.set_threshold(*before)
+
+
+ENDING = '''import atexit, sys
+from pathlib import Path
+from launchers.rank.collector import end_rank
+atexit.register(Path(sys.argv[1]).write_text, "atexit ran")
+print("report written", end="")  # unflushed: end_rank flushes it
+sys.stdout.write("")
+{end}(int(sys.argv[2]))
+'''
+"""A rank program's last lines: an ``atexit`` handler stands for the interpreter's teardown."""
+
+
+def test_a_rank_program_ends_with_its_status_and_output_but_no_teardown(tmp_path):
+    for end, marker in (("sys.exit", "control.txt"), ("end_rank", "run.txt")):
+        (tmp_path / f"{end}.py").write_text(ENDING.format(end=end))
+        run = _run(tmp_path, str(tmp_path / f"{end}.py"), str(tmp_path / marker), "5")
+        assert run.returncode == 5 and run.stdout == "report written", (run.stdout, run.stderr)
+    assert (tmp_path / "control.txt").read_text() == "atexit ran"  # the control tears down
+    assert not (tmp_path / "run.txt").exists()  # end_rank: no atexit handler, no finalization
+
+
+def test_the_trial_and_probe_ranks_end_through_it():
+    for module in ("trial_rank", "probe_rank", "peak_attribution"):
+        text = (ROOT / "launchers" / "rank" / f"{module}.py").read_text()
+        main_block = text[text.index('if __name__ == "__main__":'):]
+        assert "end_rank(main(" in main_block, module
