@@ -32,7 +32,9 @@ case "${1:-}" in
     setup
     "$venv/bin/ruff" check optimizer launchers tests benchmarks examples
     "$venv/bin/lint-imports"   # the layers contract in pyproject.toml
-    "$py" -m pytest -q --durations=25   # the slowest 25 printed: the suite stays well under 30 minutes
+    # two workers (pytest-xdist): one runs the real DeepSpeed runs of tests/real/ one after another (their xdist
+    # group, tests/conftest.py), the other the rest beside them; the slowest 25 printed
+    "$py" -m pytest -q -n 2 --dist loadgroup --durations=25
     ;;
   services)
     bash .ci/services

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
+from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments, set_seed
 
 HERE = Path(__file__).resolve().parent
 
@@ -30,6 +30,7 @@ class DataArguments:
 
 def main() -> None:
     data_args, training_args = HfArgumentParser((DataArguments, TrainingArguments)).parse_args_into_dataclasses()
+    set_seed(training_args.seed)  # before the model is made, as transformers' own example scripts do
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(data_args.model))
     data = torch.tensor(list(Path(data_args.data).read_bytes()), dtype=torch.long)  # byte-level tokens (vocab 256)
     length = data_args.sequence_length

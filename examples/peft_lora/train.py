@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
+from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments, set_seed
 
 HERE = Path(__file__).resolve().parent
 
@@ -31,6 +31,7 @@ class DataArguments:
 
 def main() -> None:
     data_args, training_args = HfArgumentParser((DataArguments, TrainingArguments)).parse_args_into_dataclasses()
+    set_seed(training_args.seed)  # before the model is made, as transformers' own example scripts do
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(data_args.model))
     model = get_peft_model(model, LoraConfig(r=data_args.lora_r, lora_alpha=2 * data_args.lora_r, lora_dropout=0.0,
                                              target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))

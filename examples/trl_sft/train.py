@@ -19,7 +19,7 @@ from pathlib import Path
 from datasets import Dataset
 from peft import LoraConfig
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, HfArgumentParser, PreTrainedTokenizerFast, set_seed
 from trl import SFTConfig, SFTTrainer
 
 HERE = Path(__file__).resolve().parent
@@ -47,6 +47,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 def main() -> None:
     data_args, args = HfArgumentParser((DataArguments, SFTConfig)).parse_args_into_dataclasses()
+    set_seed(args.seed)  # before the model is made, as transformers' own example scripts do
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(data_args.model))
     text = Path(data_args.data).read_bytes()
     length = data_args.sequence_length
