@@ -32,9 +32,10 @@ case "${1:-}" in
     setup
     "$venv/bin/ruff" check optimizer launchers tests benchmarks examples
     "$venv/bin/lint-imports"   # the layers contract in pyproject.toml
-    # two workers (pytest-xdist): one runs the real DeepSpeed runs of tests/real/ one after another (their xdist
-    # group, tests/conftest.py), the other the rest beside them; the slowest 25 printed
-    "$py" -m pytest -q -n 2 --dist loadgroup --durations=25
+    # two workers (pytest-xdist), each taking whole test files: a module's shared fixtures (a study, a real run)
+    # are made once, and the CPU a launch leaves idle (its imports, rendezvous, one rank waiting on the other) is
+    # used by the other worker; the slowest 25 printed
+    "$py" -m pytest -q -n 2 --dist loadfile --durations=25
     ;;
   services)
     bash .ci/services

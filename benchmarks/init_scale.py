@@ -4,7 +4,7 @@ A built-in GPT of a few hundred million parameters (default 24 × 1024, vocab 81
 steps on 2 CPU ranks with real DeepSpeed, at ZeRO-3 (zero.Init, with and without parameter offload, and built
 whole for contrast) and at ZeRO-2 in bf16 (built on the device in bf16, and built whole in FP32). Each trial's
 rank reports give the construction's peak and the init phase's peak (live tensors,
-:mod:`launchers.rank.cpu_memory`);
+:mod:`launchers.measure.cpu_memory`);
 the ledger gives its prediction of both (:mod:`optimizer.ledger.init_phase`). Prints one markdown table.
 
     .venv/bin/python benchmarks/init_scale.py [--layers 24 --hidden 1024 --vocab 8192] [--cases scale|every]

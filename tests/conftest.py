@@ -69,19 +69,6 @@ def shared_extensions_dir() -> Iterator[Path]:
         yield folder
 
 
-REAL_RUNS = "real-runs"
-"""The xdist group of every test under tests/real/ (``pytest -n 2 --dist loadgroup``, dev.sh): one worker runs them
-one after another — each launch's two ranks take the machine's two cores, and two launches side by side would only
-slow each other past their timeouts — while the other worker runs the rest of the suite beside them."""
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test under tests/real/ in the :data:`REAL_RUNS` group (a no-op without xdist)."""
-    for item in items:
-        if item.path.is_relative_to(ROOT / "tests" / "real"):
-            item.add_marker(pytest.mark.xdist_group(REAL_RUNS))
-
-
 BACKGROUND_OPS = pytest.StashKey[subprocess.Popen]()
 """The session's background op build (:func:`pytest_collection_finish`)."""
 

@@ -38,7 +38,7 @@ def main(folder: Path) -> int:
     import signal
 
     import launchers.study.op_prep as op_prep
-    from launchers.rank.orphan_guard import die_with_parent
+    from launchers.process.orphan_guard import die_with_parent
 
     die_with_parent(signal.SIGTERM)  # the session killed: this build goes too (op_load's goes with it)
     os.nice(10)  # the tests that run meanwhile come first

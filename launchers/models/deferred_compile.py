@@ -8,7 +8,7 @@
   and the 4-bit kernels), which PEFT imports whenever it is installed (``peft/helpers.py:27-30``), so every
   ``import peft`` — a LoRA plan with no quantization too — imported the compiler: ~1.5 s of a 7B LoRA plan's ~13 s
   on 2 CPU cores (py-spy, docs/benchmarks.md "Where a plan's seconds go");
-* DeepSpeed 0.19.8's Muon kernels (:mod:`launchers.rank.lazy_compile`).
+* DeepSpeed 0.19.8's Muon kernels (:mod:`launchers.process.lazy_compile`).
 
 :func:`import_deferring_compile` imports a module with ``torch.compile`` standing as :func:`compiled_on_first_call`,
 which calls the same ``torch.compile(fn, **options)`` on the function's first call and that compiled function ever

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from launchers.rank.collector import for_planning
-from launchers.rank.cpu_info import install as keep_cpu_info
+from launchers.process.collector import for_planning
+from launchers.process.cpu_info import install as keep_cpu_info
 from optimizer.study.errors import error_summary
 
 
@@ -72,8 +72,8 @@ def _collect_warnings(builder: Any) -> list[str]:
 
 def main(argv: list[str]) -> int:
     """``OUT.json BUILDER[:optional]...``."""
-    for_planning()  # it measures nothing: fewer collections, none at exit (launchers/rank/collector.py)
-    keep_cpu_info()  # py-cpuinfo asked once per node (launchers/rank/cpu_info.py)
+    for_planning()  # it measures nothing: fewer collections, none at exit (launchers/process/collector.py)
+    keep_cpu_info()  # py-cpuinfo asked once per node (launchers/process/cpu_info.py)
     if len(argv) < 2:
         print("usage: python -m launchers.ops.op_load OUT.json BUILDER[:optional]...", file=sys.stderr)
         return 2

@@ -23,15 +23,15 @@ from pathlib import Path
 
 import torch
 
-from launchers.rank.collector import no_collection_at_exit
-from launchers.rank.cpu_info import install as keep_cpu_info
+from launchers.process.collector import no_collection_at_exit
+from launchers.process.cpu_info import install as keep_cpu_info
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def main() -> int:
-    keep_cpu_info()  # py-cpuinfo asked once per node (launchers/rank/cpu_info.py)
-    no_collection_at_exit()  # the report written, no full collection of the heap (launchers/rank/collector.py)
+    keep_cpu_info()  # py-cpuinfo asked once per node (launchers/process/cpu_info.py)
+    no_collection_at_exit()  # the report written, no full collection of the heap (launchers/process/collector.py)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ds-config", required=True)
     parser.add_argument("--hf-config", required=True, help="a transformers config.json (model_type + fields)")

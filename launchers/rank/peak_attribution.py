@@ -4,7 +4,7 @@ recording call stacks, and at the training peak every allocation still live grou
 Run as the rank program (``python -m launchers.rank.peak_attribution PLAN OUT``) by
 ``benchmarks/peak_attribution.py``: it is :mod:`launchers.rank.trial_rank` with the profiler started with
 ``with_stack=True`` and, when the profiled span ends, ``OUT/attribution.rankN.json`` written beside the
-rank's usual report. The peak is c10's all-thread counter (:mod:`launchers.rank.cpu_memory`), exact; the live set
+rank's usual report. The peak is c10's all-thread counter (:mod:`launchers.measure.cpu_memory`), exact; the live set
 at that moment pairs the main thread's allocations and frees by address, so a tensor freed on gloo's
 thread still reads live — the listing's sum (``paired_live_bytes``) can exceed the peak, and the difference
 is what other threads had freed by then.
@@ -21,9 +21,9 @@ from typing import Any
 
 from torch._C._profiler import _EventType
 
-import launchers.rank.cpu_memory as cpu_memory
+import launchers.measure.cpu_memory as cpu_memory
 import launchers.rank.trial_rank as trial_rank
-from launchers.rank.cpu_info import install as keep_cpu_info
+from launchers.process.cpu_info import install as keep_cpu_info
 
 FRAMES = int(os.environ.get("DSOPT_ATTRIBUTION_FRAMES", "6"))
 """Frames of the allocation's stack kept per group (innermost first); benchmarks/peak_attribution.py --frames."""
@@ -85,7 +85,7 @@ def live_at_peak(profiler: cpu_memory.CpuProfiler, *, after_range: str) -> dict[
 
 
 def main() -> int:
-    keep_cpu_info()  # py-cpuinfo asked once per node (launchers/rank/cpu_info.py)
+    keep_cpu_info()  # py-cpuinfo asked once per node (launchers/process/cpu_info.py)
     out_dir = Path(sys.argv[2])
     rank = int(os.environ.get("RANK", "0"))
 
@@ -105,6 +105,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from launchers.rank.collector import end_rank
+    from launchers.process.collector import end_rank
 
     end_rank(main())

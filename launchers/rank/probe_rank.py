@@ -372,13 +372,13 @@ def main(argv: list[str]) -> int:
 
     import torch.distributed
 
-    from launchers.rank.cpu_info import install as keep_cpu_info
-    from launchers.rank.lazy_compile import install as compile_muon_lazily
-    from launchers.rank.orphan_guard import die_with_parent
+    from launchers.process.cpu_info import install as keep_cpu_info
+    from launchers.process.lazy_compile import install as compile_muon_lazily
+    from launchers.process.orphan_guard import die_with_parent
 
-    die_with_parent(signal.SIGKILL)  # torchrun SIGKILLed: its ranks go too (launchers/rank/orphan_guard.py)
-    keep_cpu_info()  # DeepSpeed's op loads ask py-cpuinfo; once per node (launchers/rank/cpu_info.py)
-    compile_muon_lazily()  # DeepSpeed's Muon kernels: compiled if ever called (launchers/rank/lazy_compile.py)
+    die_with_parent(signal.SIGKILL)  # torchrun SIGKILLed: its ranks go too (launchers/process/orphan_guard.py)
+    keep_cpu_info()  # DeepSpeed's op loads ask py-cpuinfo; once per node (launchers/process/cpu_info.py)
+    compile_muon_lazily()  # DeepSpeed's Muon kernels: compiled if ever called (launchers/process/lazy_compile.py)
     report = run(json.loads(plan_path.read_text()))
     write_report(report, out_dir / f"rank{report['rank']}.json")
     if torch.distributed.is_initialized():  # as a trial's ranks end: every rank here, then the group torn down
@@ -388,6 +388,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from launchers.rank.collector import end_rank
+    from launchers.process.collector import end_rank
 
-    end_rank(main(sys.argv[1:]))  # no interpreter teardown after the report (launchers/rank/collector.py)
+    end_rank(main(sys.argv[1:]))  # no interpreter teardown after the report (launchers/process/collector.py)

@@ -9,7 +9,7 @@ What the hook does, in order:
 
 * seeds ``torch``, ``random`` and ``numpy`` with the trial's seed (the script may seed again: its own order wins);
 * starts the measurement before the script runs a line: CUDA's peak statistics, or on CPU ranks the profiler with
-  c10's all-thread counter (:mod:`launchers.rank.cpu_memory`), as the built-in trial does;
+  c10's all-thread counter (:mod:`launchers.measure.cpu_memory`), as the built-in trial does;
 * counts ``torch.utils.checkpoint.checkpoint`` calls (and DeepSpeed's ``deepspeed.checkpointing.checkpoint``,
   patched when ``deepspeed`` is imported) per forward of the engine;
 * wraps ``deepspeed.initialize`` — which the Hugging Face Trainer and Accelerate call too
@@ -50,8 +50,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from launchers.rank.after_import import AfterImport
-from launchers.rank.rng_draws import DrawWatch
+from launchers.measure.rng_draws import DrawWatch
+from launchers.process.after_import import AfterImport
 from launchers.rank.script_checks import (
     batch_mismatch,
     batch_shape,
@@ -106,12 +106,12 @@ def install() -> None:
     plan = json.loads(Path(os.environ[PLAN_VAR]).read_text())
     import torch
 
-    from launchers.rank.device_identity import cuda_rank
+    from launchers.measure.device_identity import cuda_rank
 
     cuda = cuda_rank()
     state = _State(plan=plan, out_dir=Path(os.environ[OUT_VAR]), rank=int(os.environ.get("RANK", "0")), cuda=cuda,
                    started=time.perf_counter())
-    from launchers.rank.device_memory import DeviceMemory
+    from launchers.measure.device_memory import DeviceMemory
 
     state.device_memory = DeviceMemory.open(cuda=cuda, index=int(os.environ.get("LOCAL_RANK", "0")))
     _seed(int(plan["seed"]))
@@ -119,7 +119,7 @@ def install() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.reset_peak_memory_stats()
     else:
-        from launchers.rank.cpu_memory import start_cpu_profiler
+        from launchers.measure.cpu_memory import start_cpu_profiler
 
         state.profiler = start_cpu_profiler()
     _state = state
@@ -324,7 +324,7 @@ def _measurements() -> dict[str, Any]:
 
 
 def _end_warmup_peaks() -> None:
-    from launchers.rank.cpu_memory import stop_cpu_profiler
+    from launchers.measure.cpu_memory import stop_cpu_profiler
 
     state = _state
     assert state is not None
@@ -335,7 +335,7 @@ def _end_warmup_peaks() -> None:
 def _report(status: str, **failure: Any) -> dict[str, Any]:
     import resource
 
-    from launchers.rank.device_identity import device_identity
+    from launchers.measure.device_identity import device_identity
 
     state = _state
     assert state is not None
@@ -384,7 +384,7 @@ def _finish(status: str, *, code: int = 0, **failure: Any) -> None:
 def _drop_profiler() -> None:
     """Stop a CPU profiler still running when the script ends on its own (a live one crashes the exit)."""
     if _state is not None and _state.profiler is not None:
-        from launchers.rank.cpu_memory import count_every_thread
+        from launchers.measure.cpu_memory import count_every_thread
 
         _state.profiler.stop()
         _state.profiler = None

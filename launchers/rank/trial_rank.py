@@ -4,7 +4,7 @@ Started by :mod:`launchers.trial.local` under ``torch.distributed.run`` (one pro
 ``python -m launchers.rank.trial_rank PLAN.json OUT_DIR``. It writes ``OUT_DIR/rank<r>.json``:
 
 * on success: peak memory (CUDA: ``max_memory_allocated`` and ``max_memory_reserved``; CPU ranks: the
-  peak of live tensor bytes from the PyTorch profiler's allocation events (:mod:`launchers.rank.cpu_memory`),
+  peak of live tensor bytes from the PyTorch profiler's allocation events (:mod:`launchers.measure.cpu_memory`),
   recorded from before the model is built through the warm-up steps, and the process's peak RSS) over the
   whole run, over the init phase alone (construction + ``deepspeed.initialize``, ``init_peak_*``) and over
   training alone (``training_peak_*``: CUDA's statistics are reset once init is over; CPU ranks: the events
@@ -13,7 +13,7 @@ Started by :mod:`launchers.trial.local` under ``torch.distributed.run`` (one pro
   micro-batches), the gradient norm, whether the step was applied and the fp16 loss scale after it
   (:mod:`optimizer.results.loss_scaling`: an overflowed step is skipped, its batch replayed, and not timed).
   The model is built as ``plan["construction"]`` says (:mod:`launchers.models.construction`). CUDA ranks also report
-  the device use the driver sees at those check points (:mod:`launchers.rank.device_memory`; None on CPU ranks);
+  the device use the driver sees at those check points (:mod:`launchers.measure.device_memory`; None on CPU ranks);
 * stopped over the budget (``plan["stop_above"]``, :class:`~optimizer.results.trial_result.StopAbove`): status
   ``over_budget``, the same report with what was measured until then (peaks as far as known, the losses and
   step times so far, ``init_s``), ``stopped_at`` (``"init"`` or ``"step N"``, N the 0-based attempted step after
@@ -48,17 +48,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from launchers.measure.cpu_memory import LivePeaks, start_cpu_profiler, stop_cpu_profiler
+from launchers.measure.device_identity import cuda_rank, device_identity
+from launchers.measure.device_memory import DeviceMemory
+from launchers.measure.rng_draws import DrawWatch
 from launchers.models.builtin import build_workload
 from launchers.models.reference import anchored, reference_engine, reference_forward
-from launchers.rank.collector import end_rank
-from launchers.rank.cpu_info import install as keep_cpu_info
-from launchers.rank.cpu_memory import LivePeaks, start_cpu_profiler, stop_cpu_profiler
-from launchers.rank.device_identity import cuda_rank, device_identity
-from launchers.rank.device_memory import DeviceMemory
-from launchers.rank.lazy_compile import install as compile_muon_lazily
-from launchers.rank.orphan_guard import die_with_parent
+from launchers.process.collector import end_rank
+from launchers.process.cpu_info import install as keep_cpu_info
+from launchers.process.lazy_compile import install as compile_muon_lazily
+from launchers.process.orphan_guard import die_with_parent
 from launchers.rank.probe_rank import after_trial, write_report
-from launchers.rank.rng_draws import DrawWatch
 from optimizer.results.loss_scaling import StepKind, min_loss_scale, skip_allowance, step_kind
 from optimizer.results.trial_result import INIT_STOP, OVER_BUDGET, StopAbove
 
@@ -364,7 +364,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
         "construction": construction, "built_partitioned": built_partitioned,
         "losses": losses, "grad_norms": grad_norms, "applied": applied, "loss_scales": loss_scales,
         "step_times_s": step_times, "init_s": init_s, "peak_rss_bytes": _peak_rss_bytes(),
-        "draws_random": draws.drew,  # the warm-up's micro-steps drew random numbers (launchers/rank/rng_draws.py)
+        "draws_random": draws.drew,  # the warm-up's micro-steps drew random numbers (launchers/measure/rng_draws.py)
         **init_peaks,
     }
     if cuda:  # training's peaks since the reset after init (none when stopped there); init's pool is in them
@@ -391,8 +391,8 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
 
 
 def main() -> int:
-    die_with_parent(signal.SIGKILL)  # torchrun SIGKILLed: its ranks go too (launchers/rank/orphan_guard.py)
-    keep_cpu_info()  # DeepSpeed asks py-cpuinfo once per node, not twice per rank (launchers/rank/cpu_info.py)
+    die_with_parent(signal.SIGKILL)  # torchrun SIGKILLed: its ranks go too (launchers/process/orphan_guard.py)
+    keep_cpu_info()  # DeepSpeed asks py-cpuinfo once per node, not twice per rank (launchers/process/cpu_info.py)
     plan, out_dir = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -413,4 +413,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    end_rank(main())  # no interpreter teardown after the report (launchers/rank/collector.py)
+    end_rank(main())  # no interpreter teardown after the report (launchers/process/collector.py)

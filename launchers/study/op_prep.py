@@ -112,7 +112,7 @@ def build_ops(ops: Sequence[Op], *, spec: StudySpec, gpus: Sequence[str] | None,
     out.unlink(missing_ok=True)
     plan = trial_launch_plan(spec, plan_path=out, out_dir=folder, launch_id=uuid.uuid4().hex, gpus=gpus)
     names = [op.builder + (":optional" if op.optional else "") for op in ops]
-    plan = dataclasses.replace(plan, argv=(sys.executable, "-m", "launchers.rank.orphan_guard", str(os.getpid()),
+    plan = dataclasses.replace(plan, argv=(sys.executable, "-m", "launchers.process.orphan_guard", str(os.getpid()),
                                            sys.executable, "-m", "launchers.ops.op_load", str(out), *names))
     with node_lock(extensions_dir() / LOCK_NAME, holder=holder, say=say, doing="building DeepSpeed ops") as waited_s:
         run = execute(plan, timeout_s=timeout_s, log_path=log_path)

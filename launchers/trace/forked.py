@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
-from launchers.rank.orphan_guard import die_with_parent
+from launchers.process.orphan_guard import die_with_parent
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -23,7 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launchers.rank.collector import default_thresholds
+from launchers.process.collector import default_thresholds
 from launchers.trace.cache_dir import cache_dir, source_digest
 from launchers.trace.json_cache import KeyedJsonStore
 from optimizer.deepspeed.versions import installed_version, installed_versions

@@ -83,7 +83,7 @@ def build_launch_plan(
     allocation), which assigns node ranks — no hostfile, pdsh or ssh. ``slurm_nodes`` (default ``nodes``) is
     how many SLURM nodes carry the agents; fewer than ``nodes`` packs several agents per node (used to test
     the multi-node path on one machine). With ``parent_pid`` the launcher runs under
-    :mod:`launchers.rank.orphan_guard`, so that it dies with the worker.
+    :mod:`launchers.process.orphan_guard`, so that it dies with the worker.
 
     ``cpu_count`` is the CPUs this worker may use (:func:`launchers.trial.node_share.read_cpu_allowance`, not the
     machine's count); each rank gets ``OMP_NUM_THREADS = cpu_count // ranks``. srun gets ``--cpus-per-task``
@@ -108,7 +108,7 @@ def build_launch_plan(
     node_cpus = cpu_count if nodes == 1 else (cpus_per_task or cpu_count)
     if nodes == 1:
         argv: tuple[str, ...] = (
-            python, "-m", "launchers.rank.collector", "torch.distributed.run",  # no full collection at its exit
+            python, "-m", "launchers.process.collector", "torch.distributed.run",  # no full collection at its exit
             "--nnodes", "1", "--nproc_per_node", str(ranks),
             "--master_addr", "127.0.0.1", "--master_port", str(master_port), *trial_args,
         )
@@ -118,13 +118,13 @@ def build_launch_plan(
             srun, f"--nodes={hosts}", f"--ntasks={nodes}", f"--ntasks-per-node={-(-nodes // hosts)}",
             f"--cpus-per-task={node_cpus}", "--kill-on-bad-exit=1", "--export=ALL",
             f"--job-name=dsopt-trial-{launch_id[:8]}",
-            python, "-m", "launchers.rank.collector", "torch.distributed.run",
+            python, "-m", "launchers.process.collector", "torch.distributed.run",
             "--nnodes", str(nodes), "--nproc_per_node", str(ranks),
             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{head_host}:{master_port}", "--rdzv_id", launch_id,
             *trial_args,
         )
     if parent_pid is not None:
-        argv = (python, "-m", "launchers.rank.orphan_guard", str(parent_pid), *argv)
+        argv = (python, "-m", "launchers.process.orphan_guard", str(parent_pid), *argv)
     env = dict(base_env)
     env["PYTHONUNBUFFERED"] = "1"
     site = [str(Path(__file__).resolve().parent / "script_site")] if rank_command is not None else []

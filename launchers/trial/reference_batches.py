@@ -54,7 +54,7 @@ def draws_random(study: StudySpec) -> bool:
 def reference_drew(study: StudySpec) -> bool:
     """Whether the study's FP32 reference — the one cached for the study as it is now, launched as the reference or
     kept from its own candidate's trial — drew random numbers while it trained (``draws_random`` in
-    ``reference.json``, any rank's, :mod:`launchers.rank.rng_draws`); False before it has run."""
+    ``reference.json``, any rank's, :mod:`launchers.measure.rng_draws`); False before it has run."""
     try:
         data = json.loads((study.output_dir / "reference.json").read_text())
     except (OSError, ValueError):

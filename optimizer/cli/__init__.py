@@ -44,8 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> int:
     """The ``dsopt`` console script and ``python -m optimizer.cli``: :func:`main` in a process of its own, whose
-    garbage collector is set for planning (fewer collections, none at exit: :mod:`launchers.rank.collector`)."""
-    from launchers.rank.collector import for_planning
+    garbage collector is set for planning (fewer collections, none at exit: :mod:`launchers.process.collector`)."""
+    from launchers.process.collector import for_planning
 
     for_planning()
     return main()

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     judge = judge_for(study, candidate, study_reference_held=False)
     reference = None if judge.own else _reference(judge, gpus)
     again = judge_for(study, candidate, study_reference_held=False)  # the reference may have measured draws the
-    if again.name != judge.name:  # study does not say (launchers/rank/rng_draws.py): its micro-batch's judges
+    if again.name != judge.name:  # study does not say (launchers/measure/rng_draws.py): its micro-batch's judges
         judge, reference = again, None if again.own else _reference(again, gpus)
     result = kept_as_reference(judge, candidate, run_trial(study=study, candidate=candidate,
                                                            reference_losses=reference, gpus=gpus))

@@ -44,13 +44,13 @@ INIT_STOP = "init"
 """``stopped_at`` of a trial stopped over the init phase's limit; ``"step N"`` after attempted step N (0-based)."""
 DEVICE_MEMORY_FIELDS = ("device_memory_source", "device_used_init_bytes", "device_non_torch_init_bytes",
                         "device_used_peak_bytes", "device_non_torch_peak_bytes")
-"""The rank report's readings of the device as the driver sees it (:mod:`launchers.rank.device_memory`)."""
+"""The rank report's readings of the device as the driver sees it (:mod:`launchers.measure.device_memory`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StopAbove:
     """The per-rank measured peak above which a rank stops — CUDA: ``max_memory_reserved``; CPU ranks: the
-    live-tensor peak (:mod:`launchers.rank.cpu_memory`). A peak equal to a limit goes on."""
+    live-tensor peak (:mod:`launchers.measure.cpu_memory`). A peak equal to a limit goes on."""
 
     training_bytes: int
     """The training phase's limit: the peak after the init phase (bytes)."""
@@ -110,7 +110,7 @@ class RankMeasurement:
     """The CUDA reserved peak of training alone (the pool init left cached included); None on CPU ranks."""
     device_memory_source: str | None = None
     """Which reader gave the ``device_*`` figures: ``nvml_process``, ``nvml_device`` or ``cuda_mem_get_info``
-    (:mod:`launchers.rank.device_memory`); None on CPU ranks, or where no reader answered."""
+    (:mod:`launchers.measure.device_memory`); None on CPU ranks, or where no reader answered."""
     device_used_init_bytes: int | None = None
     """The process's use of its device as the driver sees it (CUDA context, NCCL, cuBLAS and PyTorch's pool), read
     once ``deepspeed.initialize`` is done (bytes; None on CPU ranks)."""
@@ -166,7 +166,7 @@ class TrialResult:
     """A script trial: how many of them train (``requires_grad``: PEFT's adapters, what the script left unfrozen),
     beside the planned Ψtr (``model.peft``, ``training.frozen``); None for dsopt's own step."""
     draws_random: bool = False
-    """A rank saw its training draw random numbers (dropout masks; ``launchers/rank/rng_draws.py``): an FP32
+    """A rank saw its training draw random numbers (dropout masks; ``launchers/measure/rng_draws.py``): an FP32
     reference that drew makes each micro-batch be judged by its own (``launchers/trial/reference_batches.py``)."""
     reference_launches: int = 0
     """FP32 reference runs launched to judge this trial besides its own launch: the reference at its micro-batch size

@@ -41,7 +41,7 @@ loading the default; NVIDIA's CUDA Programming Guide, "Lazy Loading": it reduces
 NCCL_BUFFSIZE, 4 MiB by default, per channel and per peer — a ring's two peers over up to 32 channels are
 256 MiB (NCCL's environment-variable docs); plus cuBLAS workspaces. 0.67 GB + 0.27 GB ≈ 0.94 GB, rounded up to
 1 GiB — the figure studies/llama-7b-8xh100.yaml states. docs/sources.md, "Memory accounting". A study's trials
-measure the real figure (device used − PyTorch's reserved, :mod:`launchers.rank.device_memory`), which then
+measure the real figure (device used − PyTorch's reserved, :mod:`launchers.measure.device_memory`), which then
 replaces this default — a stated reserve always wins (:func:`optimizer.results.device_budget.with_measured_reserve`)."""
 CUDA_ALLOCATOR_OVERHEAD = 0.12
 """``hardware.allocator_overhead`` of a CUDA study that does not state it: the caching allocator's reserved /

@@ -13,7 +13,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from launchers.rank.cpu_memory import start_cpu_profiler, stop_cpu_profiler
+from launchers.measure.cpu_memory import start_cpu_profiler, stop_cpu_profiler
 
 out, script, *args = sys.argv[1:]
 profiler = start_cpu_profiler()

@@ -1,7 +1,7 @@
 """dsopt's hook in a user's training script (``trial.command``): this folder is first on the ranks' ``PYTHONPATH``,
 so Python's ``site`` imports this module before the script runs (docs/trials.md, "Your own training script").
 
-In every process of a script trial's launch it keeps py-cpuinfo's answer (:mod:`launchers.rank.cpu_info`); in a
+In every process of a script trial's launch it keeps py-cpuinfo's answer (:mod:`launchers.process.cpu_info`); in a
 rank it installs :mod:`launchers.rank.script_hook`; anywhere else it does nothing.
 Then it runs the ``sitecustomize`` this folder shadows, if the environment has one further down the path.
 """
@@ -27,7 +27,7 @@ def _next_sitecustomize() -> None:
 
 
 if os.environ.get("DSOPT_HOOK_PLAN"):
-    from launchers.rank.cpu_info import install as keep_cpu_info
+    from launchers.process.cpu_info import install as keep_cpu_info
     from launchers.rank.script_checks import wanted
 
     keep_cpu_info()  # every process of the launch: DeepSpeed's op loads probe the CPU once per node

@@ -187,10 +187,10 @@ def test_multi_node_plan_uses_srun_and_c10d_rendezvous():
                              launch_id="0123456789abcdef", extensions_dir=Path("/e"), parent_pid=42, nodes=2,
                              head_host="node07")
     assert plan.argv == (
-        "py", "-m", "launchers.rank.orphan_guard", "42",
+        "py", "-m", "launchers.process.orphan_guard", "42",
         "srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=64", "--kill-on-bad-exit=1",
         "--export=ALL", "--job-name=dsopt-trial-01234567",
-        "py", "-m", "launchers.rank.collector", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
+        "py", "-m", "launchers.process.collector", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8",
         "--rdzv_backend", "c10d", "--rdzv_endpoint", "node07:29500", "--rdzv_id", "0123456789abcdef",
         "-m", "launchers.rank.trial_rank", "/t/p.json", "/t",
     )

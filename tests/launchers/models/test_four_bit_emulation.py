@@ -1,6 +1,6 @@
 """The trace's stand-in for a bitsandbytes 4-bit layer (``launchers.models.four_bit.emulate_four_bit_matmuls``)
 allocates what the real ``bnb.nn.Linear4bit`` allocates: one forward + backward of each, on real CPU tensors, measured
-by the live-tensor counter the trials use (``launchers.rank.cpu_memory``), for every compute/training dtype pair
+by the live-tensor counter the trials use (``launchers.measure.cpu_memory``), for every compute/training dtype pair
 and with or without nested quantization."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 bnb = pytest.importorskip("bitsandbytes")
 
+from launchers.measure.cpu_memory import start_cpu_profiler, stop_cpu_profiler  # noqa: E402
 from launchers.models.four_bit import FOUR_BIT_TAG, HELD_TAG, emulate_four_bit_matmuls  # noqa: E402
-from launchers.rank.cpu_memory import start_cpu_profiler, stop_cpu_profiler  # noqa: E402
 
 
 def _peak(layer: torch.nn.Module, x: torch.Tensor) -> int:

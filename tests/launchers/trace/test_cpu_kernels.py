@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
-import launchers.rank.cpu_memory as cpu_memory
+import launchers.measure.cpu_memory as cpu_memory
 from launchers.trace.cpu_kernels import cpu_promotion_copies
 
 SHAPE = (2, 40, 344)

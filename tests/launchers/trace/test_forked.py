@@ -26,9 +26,22 @@ def _children() -> set[int]:
     return {child.pid for child in psutil.Process().children()}
 
 
-def test_the_items_are_shared_between_this_process_and_a_copy_and_come_back_in_order():
+def test_the_items_are_shared_between_this_process_and_a_copy_and_come_back_in_order(tmp_path):
     before = _children()
-    out = shared_map(_slow_pid, list(range(6)), workers=2)
+    parent = os.getpid()
+
+    def waits_for_a_copy(item: int) -> tuple[int, int]:
+        """In a copy: marks that it took an item. Here: after the item, waits (up to a minute) until a copy took one,
+        so that a busy machine that schedules the copy late does not leave every item to this process."""
+        if os.getpid() != parent:
+            (tmp_path / f"copy-took-{item}").touch()
+            return item * item, os.getpid()
+        deadline = time.monotonic() + 60
+        while not any(tmp_path.glob("copy-took-*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return item * item, os.getpid()
+
+    out = shared_map(waits_for_a_copy, list(range(6)), workers=2)
     assert [value for value, _ in out] == [i * i for i in range(6)]
     pids = {pid for _, pid in out}
     assert os.getpid() in pids and len(pids) == 2

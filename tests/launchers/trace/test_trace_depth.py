@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from launchers.measure.cpu_memory import start_cpu_profiler, stop_cpu_profiler
 from launchers.models.builtin import build_model
 from launchers.models.fake_kernels import GROUPED_NOTE
-from launchers.rank.cpu_memory import start_cpu_profiler, stop_cpu_profiler
 from launchers.trace.study_traces import TraceCache, traced_activation
 from launchers.trace.trace_depth import shallow_depths, spec_at_depth
 from launchers.trace.tracer import TraceResult, joint_peak, trace
@@ -132,7 +132,7 @@ def test_the_joint_of_activations_and_gradients_lies_between_its_parts(gpt):
 
 def _measured_step(model_spec: dict, *, micro_batch: int, sequence_length: int) -> tuple[int, int]:
     """(peak, final) live CPU tensor bytes over one real fp32 forward + backward of the model in plain PyTorch, counted
-    by c10's allocation counter as trials count them (launchers/rank/cpu_memory.py). The counter starts at the
+    by c10's allocation counter as trials count them (launchers/measure/cpu_memory.py). The counter starts at the
     span's first allocation, after the model and the tokens exist: the parameters are not in it."""
     torch.manual_seed(0)
     net = build_model(model_spec, checkpointing="none", dtype=torch.float32)

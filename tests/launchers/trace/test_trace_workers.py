@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -29,13 +30,27 @@ def _jobs(*, layers: int = 2, parameters: bool = False) -> list[dict]:
             for ckpt in ("none", "full") for mbs in (1, 2)]
 
 
-def _recorded(monkeypatch) -> list[tuple[int, list[int]]]:
-    """(items, pids that traced) of each :func:`launchers.trace.forked.shared_map` call."""
+def _recorded(monkeypatch, folder: Path | None = None) -> list[tuple[int, list[int]]]:
+    """(items, pids that traced) of each :func:`launchers.trace.forked.shared_map` call. With ``folder``, a copy marks
+    there each item it takes, and this process, after its own first item, waits (up to a minute) until a copy has
+    taken one (where there are copies): on a busy machine this process could otherwise trace every item before a copy
+    is scheduled."""
     calls: list[tuple[int, list[int]]] = []
     real = forked.shared_map
+    here = os.getpid()
+
+    def traced(fn, item, workers):
+        if folder is not None and os.getpid() != here:
+            (folder / f"copy-{os.getpid()}-{time.monotonic_ns()}").touch()
+        value = fn(item)
+        if folder is not None and workers > 1 and os.getpid() == here:
+            deadline = time.monotonic() + 60
+            while not any(folder.glob("copy-*")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return value, os.getpid()
 
     def recording(fn, items, *, workers):
-        out = real(lambda item: (fn(item), os.getpid()), items, workers=workers)
+        out = real(lambda item: traced(fn, item, workers), items, workers=workers)
         calls.append((len(items), [pid for _, pid in out]))
         return [value for value, _ in out]
 
@@ -47,7 +62,8 @@ def _recorded(monkeypatch) -> list[tuple[int, list[int]]]:
 def test_what_the_copies_trace_is_what_this_process_traces(tmp_path, monkeypatch):
     jobs = _jobs(layers=6, parameters=True)[::2]  # deep enough for two shallow copies each; none and full
     assert all(shallow_specs(job["model_spec"], job["checkpointing"], job["parameters"]) for job in jobs)
-    calls = _recorded(monkeypatch)
+    (tmp_path / "marks").mkdir()
+    calls = _recorded(monkeypatch, tmp_path / "marks")
     here, there = TraceCache(tmp_path / "here"), TraceCache(tmp_path / "there")
     fill(here, jobs, workers=1)
     fill(there, jobs, workers=2)

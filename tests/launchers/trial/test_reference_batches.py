@@ -127,12 +127,12 @@ def test_a_reference_run_that_drew_makes_each_micro_batch_judge_its_own(tmp_path
 
 
 def test_the_rank_sees_dropout_draw_and_recomputation_not():
-    """launchers/rank/rng_draws.py on a real module: a micro-step with dropout draws, one without does not, and
+    """launchers/measure/rng_draws.py on a real module: a micro-step with dropout draws, one without does not, and
     recomputation under torch.utils.checkpoint leaves the generator as the forward left it."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    from launchers.rank.rng_draws import DrawWatch
+    from launchers.measure.rng_draws import DrawWatch
 
     def step(module: torch.nn.Module, *, recompute: bool = False) -> bool:
         watch = DrawWatch()

@@ -10,9 +10,9 @@ import pytest
 import torch
 from trial_fixtures import FAR, KILLED, NEAR, rank_report
 
+from launchers.measure.cpu_memory import COUNT_FLAG, count_every_thread, start_cpu_profiler, stop_cpu_profiler
 from launchers.models.blocks import recomputed_blocks
 from launchers.models.builtin import SyntheticTokens
-from launchers.rank.cpu_memory import COUNT_FLAG, count_every_thread, start_cpu_profiler, stop_cpu_profiler
 from launchers.rank.trial_rank import NonFiniteLoss, classify
 from launchers.trial.local import LAUNCH_ID_VAR, build_launch_plan
 from optimizer.results.host_oom import HostMemoryEvidence
@@ -24,7 +24,7 @@ def test_launch_plan_snapshot():
                              plan_path=Path("/t/plan.json"), out_dir=Path("/t"), base_env={"PATH": "/bin"},
                              pythonpath=["/repo", "/studies"], cwd=Path("/repo"), cpu_count=2, launch_id="abc",
                              extensions_dir=Path("/venv/torch_extensions"))
-    assert plan.argv == ("/venv/bin/python", "-m", "launchers.rank.collector", "torch.distributed.run", "--nnodes",
+    assert plan.argv == ("/venv/bin/python", "-m", "launchers.process.collector", "torch.distributed.run", "--nnodes",
                          "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", "29511", "-m",
                          "launchers.rank.trial_rank", "/t/plan.json", "/t")
     assert plan.env == {"PATH": "/bin", "PYTHONUNBUFFERED": "1", "PYTHONPATH": "/repo:/studies",

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 from trial_fixtures import rank_report
 
-from launchers.rank.device_identity import device_identity
+from launchers.measure.device_identity import device_identity
 from launchers.study.study_run import say_profile_mismatch
 from launchers.trial.run import result_json
 from optimizer.ledger.transformer import parameter_count

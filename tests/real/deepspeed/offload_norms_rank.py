@@ -5,7 +5,7 @@ Run under ``torchrun --nproc_per_node 2`` with ``DS_ACCELERATOR=cpu``. Arguments
 model (launchers.trial.run.model_dict), config (DeepSpeed JSON), seq}) and an output folder. Each case builds the
 built-in GPT as trials do and trains two optimizer steps (``gradient_accumulation_steps`` micro-batches each,
 ``engine.step()`` after every one as a training loop does); the second (the first makes Adam's states) runs under
-the PyTorch profiler with c10's all-thread allocation counter (launchers/rank/cpu_memory.py). DeepSpeed
+the PyTorch profiler with c10's all-thread allocation counter (launchers/measure/cpu_memory.py). DeepSpeed
 0.19.8's per-parameter norm method is wrapped in a ``record_function`` range on the optimizer instance:
 
 * ZeRO-3: ``_offload_grad_partition_at_boundary`` (stage3.py:1443-1457: the fp64 norm of the partition, then its
@@ -37,8 +37,8 @@ from torch._C._profiler import _EventType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from launchers.measure.cpu_memory import CpuProfiler, count_every_thread, start_cpu_profiler
 from launchers.models.builtin import build_workload
-from launchers.rank.cpu_memory import CpuProfiler, count_every_thread, start_cpu_profiler
 
 NORM = "dsopt.norm"
 STEP = "dsopt.step"

@@ -1,4 +1,4 @@
-"""A real short trial on 2 CPU ranks reports no device readings (launchers/rank/device_memory.py): the ranks'
+"""A real short trial on 2 CPU ranks reports no device readings (launchers/measure/device_memory.py): the ranks'
 reports carry the ``device_*`` keys as None, and so does the result — CPU ranks have no device apart from the host."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launchers.rank.device_memory import EMPTY
+from launchers.measure.device_memory import EMPTY
 from launchers.trial.run import run_trial, trial_dir_for
 from optimizer.results.device_budget import measured_device_reserve
 from optimizer.results.trial_result import Outcome

@@ -141,7 +141,7 @@ def test_a_script_trial_of_an_offloaded_candidate_checks_its_engine_and_trains(t
 
 def test_a_script_model_s_undeclared_dropout_is_measured_and_each_micro_batch_judged_by_its_own(tmp_path):
     # The study plans examples/tiny-llama (attention_dropout 0) while the script trains a copy with dropout 0.1:
-    # the FP32 reference's ranks see the generator advance in training (launchers/rank/rng_draws.py), so a
+    # the FP32 reference's ranks see the generator advance in training (launchers/measure/rng_draws.py), so a
     # candidate at micro-batch 1 is judged against the reference at micro-batch 1 — same masks, fp32 agreement —
     # not against the study's at 2, which differs by the masks' noise.
     pytest.importorskip("transformers")

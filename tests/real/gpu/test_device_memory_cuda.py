@@ -1,6 +1,6 @@
 """The device as the driver sees it, on a real CUDA device (marked ``gpu``; skipped without one): the reader of
-launchers/rank/device_memory.py in a fresh process (no CUDA context yet), and one real trial's rank reports —
-what tests/launchers/rank/test_device_memory.py checks with fakes only. Not yet run on a GPU (docs/trials.md)."""
+launchers/measure/device_memory.py in a fresh process (no CUDA context yet), and one real trial's rank reports —
+what tests/launchers/measure/test_device_memory.py checks with fakes only. Not yet run on a GPU (docs/trials.md)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ GiB = 2**30
 
 PROBE = """
 import json, torch
-from launchers.rank.device_memory import DeviceMemory
+from launchers.measure.device_memory import DeviceMemory
 memory = DeviceMemory.open(cuda=True, index=0)
 torch.cuda.set_device(0)
 block = torch.empty(GIB, dtype=torch.uint8, device="cuda")

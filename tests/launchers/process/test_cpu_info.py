@@ -1,4 +1,4 @@
-"""py-cpuinfo's answer kept once per node for DeepSpeed's op loads (launchers/rank/cpu_info.py)."""
+"""py-cpuinfo's answer kept once per node for DeepSpeed's op loads (launchers/process/cpu_info.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launchers.rank.cpu_info import FOLDER, entry_path, kept
+from launchers.process.cpu_info import FOLDER, entry_path, kept
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -55,7 +55,7 @@ def test_a_folder_that_cannot_be_written_costs_only_the_probe(tmp_path):
 
 
 def _get_cpu_info_in_a_process(env: dict[str, str]) -> dict:
-    code = ("from launchers.rank.cpu_info import install; install(); "
+    code = ("from launchers.process.cpu_info import install; install(); "
             "from cpuinfo import get_cpu_info; import json; print(json.dumps(get_cpu_info()))")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                          check=True, timeout=120)
@@ -89,7 +89,7 @@ def test_an_empty_answer_is_asked_again_and_never_written(tmp_path):
 def test_installing_after_cpuinfo_was_imported_patches_it_at_once(tmp_path, monkeypatch):
     import cpuinfo
 
-    from launchers.rank.cpu_info import install
+    from launchers.process.cpu_info import install
 
     monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: {"arch": "PROBED", "flags": []})  # restored after the test
     install({"TORCH_EXTENSIONS_DIR": str(tmp_path)})

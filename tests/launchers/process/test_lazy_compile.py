@@ -1,5 +1,5 @@
 """DeepSpeed's Muon kernels compiled on first call, and the CPU profiler started without torch's compiler imports
-(launchers/rank/lazy_compile.py, launchers/rank/cpu_memory.py): a rank no longer imports ``torch._inductor``. The
+(launchers/process/lazy_compile.py, launchers/measure/cpu_memory.py): a rank no longer imports ``torch._inductor``. The
 deferral itself is tested in tests/launchers/models/test_deferred_compile.py."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def test_deepspeeds_muon_module_imports_without_torchs_compiler_once_installed()
     code = """
         import json, sys
         import deepspeed
-        from launchers.rank import lazy_compile
+        from launchers.process import lazy_compile
         installed = lazy_compile.install() if INSTALL else False
         from deepspeed.runtime.zero.muon import original_muon
         from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam  # what every ZeRO engine imports
@@ -46,7 +46,7 @@ def test_the_cpu_profiler_counts_the_same_bytes_without_importing_torchs_compile
     peaks = _fresh("""
         import json, sys
         import torch
-        from launchers.rank.cpu_memory import start_cpu_profiler, stop_cpu_profiler
+        from launchers.measure.cpu_memory import start_cpu_profiler, stop_cpu_profiler
         profiler = start_cpu_profiler()
         with torch.profiler.record_function("made"):
             kept = torch.ones(1000)

@@ -1,4 +1,4 @@
-"""``python -m launchers.rank.orphan_guard PARENT_PID CMD...``: run CMD so that it dies with its parent.
+"""``python -m launchers.process.orphan_guard PARENT_PID CMD...``: run CMD so that it dies with its parent.
 
 Sets Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGTERM)``, kept across ``exec``) and then
 replaces itself with CMD. The launcher (torchrun) of a trial is started through it: if the worker that
@@ -32,7 +32,7 @@ def die_with_parent(sig: int, *, parent_pid: int | None = None) -> None:
 def main(argv: list[str]) -> None:
     """``PARENT_PID CMD...``."""
     if len(argv) < 2 or not argv[0].isdigit():
-        sys.exit("usage: python -m launchers.rank.orphan_guard PARENT_PID CMD...")
+        sys.exit("usage: python -m launchers.process.orphan_guard PARENT_PID CMD...")
     die_with_parent(signal.SIGTERM, parent_pid=int(argv[0]))
     os.execvp(argv[1], argv[1:])
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from launchers.rank.after_import import AfterImport
+from launchers.process.after_import import AfterImport
 
 FOLDER = "dsopt-cpuinfo"
 """The entries' folder under ``TORCH_EXTENSIONS_DIR``."""

@@ -17,7 +17,7 @@ those three decorators and nowhere else in DeepSpeed 0.19.8 — return
 :func:`~launchers.models.deferred_compile.compiled_on_first_call`, which calls the
 same ``torch.compile(fn)`` on the function's first call and that compiled function ever after. Nothing else changes:
 no tensor is allocated by those imports (checked with the live-tensor counter of
-:mod:`launchers.rank.cpu_memory`), so the measured peaks are the same; the trial's ``init_s`` no longer holds
+:mod:`launchers.measure.cpu_memory`), so the measured peaks are the same; the trial's ``init_s`` no longer holds
 those seconds (a run without dsopt pays them once, at its engine's init). A user's script trial is its own program:
 its DeepSpeed is left as it is.
 """

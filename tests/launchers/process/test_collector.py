@@ -1,5 +1,5 @@
-"""The garbage collector in dsopt's own processes (launchers/rank/collector.py): a module started through
-``python -m launchers.rank.collector`` (a trial's torchrun) keeps its arguments and exit status and skips the final
+"""The garbage collector in dsopt's own processes (launchers/process/collector.py): a module started through
+``python -m launchers.process.collector`` (a trial's torchrun) keeps its arguments and exit status and skips the final
 collection at exit; the ``dsopt`` entry point collects less often and skips it too. Each is checked against a
 control that does collect at exit, so the checks can fail."""
 
@@ -12,7 +12,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from launchers.rank.collector import DEFAULT_THRESHOLDS, PLANNING_THRESHOLDS, default_thresholds
+from launchers.process.collector import DEFAULT_THRESHOLDS, PLANNING_THRESHOLDS, default_thresholds
 
 ROOT = Path(__file__).resolve().parents[3]
 CYCLE = '''import gc, sys
@@ -40,7 +40,7 @@ def _run(tmp_path: Path, *args: str, setup: str = "") -> subprocess.CompletedPro
 def test_a_module_run_through_it_keeps_its_arguments_and_exit_status_and_is_not_collected_at_exit(tmp_path):
     control = _run(tmp_path, "-m", "cycle", str(tmp_path / "control.txt"), "0")
     assert control.returncode == 0 and (tmp_path / "control.txt").read_text() == "collected at exit"
-    run = _run(tmp_path, "-m", "launchers.rank.collector", "cycle", str(tmp_path / "run.txt"), "3", "--flag")
+    run = _run(tmp_path, "-m", "launchers.process.collector", "cycle", str(tmp_path / "run.txt"), "3", "--flag")
     assert run.returncode == 3, run.stderr
     assert f"args ['{tmp_path / 'run.txt'}', '3', '--flag']" in run.stdout, run.stdout
     assert not (tmp_path / "run.txt").exists()  # the default thresholds kept: it measures nothing, it only exits
@@ -48,8 +48,8 @@ def test_a_module_run_through_it_keeps_its_arguments_and_exit_status_and_is_not_
 
 
 def test_without_a_module_it_is_a_usage_error(tmp_path):
-    run = _run(tmp_path, "-m", "launchers.rank.collector")
-    assert run.returncode == 2 and "usage: python -m launchers.rank.collector MODULE" in run.stderr, run.stderr
+    run = _run(tmp_path, "-m", "launchers.process.collector")
+    assert run.returncode == 2 and "usage: python -m launchers.process.collector MODULE" in run.stderr, run.stderr
 
 
 def test_the_dsopt_entry_point_plans_with_fewer_collections_and_none_at_exit(tmp_path):
@@ -73,7 +73,7 @@ def test_a_trace_in_a_planning_process_runs_under_the_default_thresholds():
 
 ENDING = '''import atexit, sys
 from pathlib import Path
-from launchers.rank.collector import end_rank
+from launchers.process.collector import end_rank
 atexit.register(Path(sys.argv[1]).write_text, "atexit ran")
 print("report written", end="")  # unflushed: end_rank flushes it
 sys.stdout.write("")

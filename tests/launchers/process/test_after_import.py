@@ -1,11 +1,11 @@
-"""The one-shot import hook the script hook patches DeepSpeed with (launchers/rank/after_import.py)."""
+"""The one-shot import hook the script hook patches DeepSpeed with (launchers/process/after_import.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 
-from launchers.rank.after_import import AfterImport
+from launchers.process.after_import import AfterImport
 
 
 def test_a_probe_does_not_spend_the_hook_and_the_import_runs_it_once(tmp_path, monkeypatch):

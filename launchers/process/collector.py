@@ -14,7 +14,7 @@ DeepSpeed, transformers and PEFT — hundreds of thousands of long-lived module 
   temporary folders, the multiprocessing pools) run before it; only objects that nothing but a reference cycle
   holds are left to the operating system instead of being collected.
 
-A trial's rank keeps the default thresholds: its live-tensor peak (:mod:`launchers.rank.cpu_memory`) must be the
+A trial's rank keeps the default thresholds: its live-tensor peak (:mod:`launchers.measure.cpu_memory`) must be the
 one a run without dsopt has, and a tensor held by a reference cycle is freed when a collection finds it. Once its
 report is written and its process group torn down, a rank program ends at once (:func:`end_rank`): no ``atexit``
 handler, no interpreter finalization, no C++ static destructor. Processes that measure no real
@@ -23,7 +23,7 @@ tensor — the ``dsopt`` command itself (planning, the study loop) — also coll
 when nothing holds them, ``torch.distributed._tools.mem_tracker`` and ``launchers/trace/tracer.py`` through weak
 references), so it runs under the default thresholds (:func:`default_thresholds`) — the copies forked to trace
 beside it too (forked inside that block, :mod:`launchers.trace.forked`; they end with ``os._exit``). A trial's
-launcher, torchrun, is started as ``python -m launchers.rank.collector torch.distributed.run ARGS`` (:func:`main`):
+launcher, torchrun, is started as ``python -m launchers.process.collector torch.distributed.run ARGS`` (:func:`main`):
 torchrun's own code, no collection at its exit, which a trial waits for. A user's script trial is left as it is
 (its hook ends the process with ``os._exit`` already: :mod:`launchers.rank.script_hook`).
 """
@@ -95,7 +95,7 @@ def main(argv: list[str]) -> int:
     """``MODULE ARGS...``: run MODULE as ``python -m MODULE ARGS...`` does (``runpy``, ``sys.argv`` its own), with
     no collection at exit; a ``SystemExit`` it raises (torchrun's exit status) passes through."""
     if not argv:
-        print("usage: python -m launchers.rank.collector MODULE ARGS...", file=sys.stderr)
+        print("usage: python -m launchers.process.collector MODULE ARGS...", file=sys.stderr)
         return 2
     no_collection_at_exit()
     sys.argv = list(argv)

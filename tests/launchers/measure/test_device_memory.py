@@ -1,4 +1,4 @@
-"""The rank's device-memory reader (launchers/rank/device_memory.py) against FAKES: a fake ``pynvml`` module put in
+"""The rank's device-memory reader (launchers/measure/device_memory.py) against FAKES: a fake ``pynvml`` module put in
 ``sys.modules`` and fake ``torch.cuda`` functions (monkeypatched). No GPU here: these check the reader's logic —
 which reader answers, the pid match and its fallbacks, the arithmetic — not what a driver reports. Figures by hand.
 """
@@ -12,8 +12,8 @@ import types
 import pytest
 import torch
 
-from launchers.rank import device_memory
-from launchers.rank.device_memory import (
+from launchers.measure import device_memory
+from launchers.measure.device_memory import (
     CUDA_MEM_GET_INFO,
     EMPTY,
     NVML_DEVICE,
