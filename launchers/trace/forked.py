@@ -47,9 +47,33 @@ token's bytes: Linux reads a pipe under its lock, so a read takes one whole toke
 every write end closed, nothing (``pipe(7)``)."""
 
 
+def stop_progress_monitor() -> None:
+    """Stop tqdm's monitor threads, if any run, and start no other (``monitor_interval = 0``, tqdm's own switch,
+    ``tqdm/std.py``). tqdm starts one per bar class with its first progress bar — transformers' ``from_pretrained``
+    shows one, of its own subclass — and each then lives as long as the process, only to adjust the ``miniters`` of
+    slow bars: a planning process would never fork again after one bar. ``TMonitor.exit`` joins it; tqdm not
+    imported: nothing to stop."""
+    tqdm_std = sys.modules.get("tqdm.std")
+    if tqdm_std is None:
+        return
+    from tqdm._monitor import TMonitor
+
+    tqdm_std.tqdm.monitor_interval = 0  # subclasses inherit it
+    for thread in threading.enumerate():
+        if isinstance(thread, TMonitor) and thread.is_alive():
+            thread.tqdm_cls.monitor_interval = 0
+            thread.exit()
+            thread.tqdm_cls.monitor = None
+
+
 def fork_safe() -> bool:
-    """Whether copies may be forked now: Linux, and this process's only Python thread (module doc)."""
-    return sys.platform.startswith("linux") and hasattr(os, "fork") and threading.active_count() == 1
+    """Whether copies may be forked now: Linux, and this process's only Python thread (module doc) once tqdm's
+    monitor is stopped (:func:`stop_progress_monitor`)."""
+    if not (sys.platform.startswith("linux") and hasattr(os, "fork")):
+        return False
+    if threading.active_count() > 1:
+        stop_progress_monitor()
+    return threading.active_count() == 1
 
 
 def shared_map(fn: Callable[[T], R], items: Sequence[T], *, workers: int) -> list[R]:

@@ -31,12 +31,12 @@ def test_the_items_are_shared_between_this_process_and_a_copy_and_come_back_in_o
     parent = os.getpid()
 
     def waits_for_a_copy(item: int) -> tuple[int, int]:
-        """In a copy: marks that it took an item. Here: after the item, waits (up to a minute) until a copy took one,
+        """In a copy: marks that it took an item. Here: after the item, waits (up to 20 s) until a copy took one,
         so that a busy machine that schedules the copy late does not leave every item to this process."""
         if os.getpid() != parent:
             (tmp_path / f"copy-took-{item}").touch()
             return item * item, os.getpid()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 20
         while not any(tmp_path.glob("copy-took-*")) and time.monotonic() < deadline:
             time.sleep(0.05)
         return item * item, os.getpid()
@@ -52,6 +52,26 @@ def test_one_worker_or_one_item_stays_in_this_process():
     assert {pid for _, pid in shared_map(_slow_pid, [1, 2], workers=1)} == {os.getpid()}
     assert shared_map(_slow_pid, [3], workers=4) == [(9, os.getpid())]
     assert shared_map(_slow_pid, [], workers=4) == []
+
+
+def test_tqdm_s_monitor_thread_is_stopped_so_that_copies_still_fork():
+    tqdm = pytest.importorskip("tqdm")
+
+    class Bar(tqdm.tqdm):  # a subclass keeps a monitor of its own, as transformers' bars do
+        monitor_interval = 10  # tqdm's default (an earlier stop in this process set the base's to 0)
+        monitor = None
+
+    for bar_class in (tqdm.tqdm, Bar):
+        bar_class.monitor_interval = 10
+        for _ in bar_class(range(2), file=open(os.devnull, "w")):  # noqa: SIM115 — a bar starts the monitor
+            time.sleep(0.01)
+        assert bar_class.monitor is not None and bar_class.monitor.is_alive()
+    assert fork_safe()  # stops them
+    assert threading.active_count() == 1 and tqdm.tqdm.monitor is None and Bar.monitor is None
+    for bar_class in (tqdm.tqdm, Bar):
+        for _ in bar_class(range(2), file=open(os.devnull, "w")):  # noqa: SIM115 — and a later bar starts none
+            pass
+    assert threading.active_count() == 1
 
 
 def test_with_another_thread_alive_nothing_forks():

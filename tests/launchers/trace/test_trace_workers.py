@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -32,7 +33,7 @@ def _jobs(*, layers: int = 2, parameters: bool = False) -> list[dict]:
 
 def _recorded(monkeypatch, folder: Path | None = None) -> list[tuple[int, list[int]]]:
     """(items, pids that traced) of each :func:`launchers.trace.forked.shared_map` call. With ``folder``, a copy marks
-    there each item it takes, and this process, after its own first item, waits (up to a minute) until a copy has
+    there each item it takes, and this process, after its own first item, waits (up to 20 s) until a copy has
     taken one (where there are copies): on a busy machine this process could otherwise trace every item before a copy
     is scheduled."""
     calls: list[tuple[int, list[int]]] = []
@@ -44,7 +45,7 @@ def _recorded(monkeypatch, folder: Path | None = None) -> list[tuple[int, list[i
             (folder / f"copy-{os.getpid()}-{time.monotonic_ns()}").touch()
         value = fn(item)
         if folder is not None and workers > 1 and os.getpid() == here:
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 20
             while not any(folder.glob("copy-*")) and time.monotonic() < deadline:
                 time.sleep(0.05)
         return value, os.getpid()
@@ -69,7 +70,8 @@ def test_what_the_copies_trace_is_what_this_process_traces(tmp_path, monkeypatch
     fill(there, jobs, workers=2)
     assert [items for items, _ in calls] == [4, 4]  # each job's two copies, one item each
     assert set(calls[0][1]) == {os.getpid()}
-    assert os.getpid() in calls[1][1] and len(set(calls[1][1])) == 2  # shared with a copy
+    threads = [thread.name for thread in threading.enumerate()]
+    assert os.getpid() in calls[1][1] and len(set(calls[1][1])) == 2, threads  # shared with a copy
     for job in jobs:
         assert here.holds(**job)
         assert here.entry(**job) == there.entry(**job)
