@@ -85,8 +85,12 @@ def test_a_probe_that_fails_in_the_reference_launch_fails_alone(tmp_path, monkey
     result = run_trial(study=study, candidate=reference_candidate(study), trial_dir=folder, probe=broken,
                        probe_timeout_s=60)
     assert result.outcome is Outcome.OK and result.losses
-    reports = [json.loads((folder / f"probe_rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert all(report["error"].startswith("KeyError") for report in reports)
+    # a rank whose probe fails writes why and exits at once, and torchrun then ends its peer: the peer's report is
+    # there only where it failed first (both do here; which one torchrun sees first is the machine's timing)
+    written = [path for rank in (0, 1) if (path := folder / f"probe_rank{rank}.json").exists()]
+    assert written and all(json.loads(path.read_text())["error"].startswith("KeyError") for path in written)
     said: list[str] = []
-    assert collect_riding(study, folder, say=said.append) is None and "failed on rank 0: KeyError" in said[0]
+    assert collect_riding(study, folder, say=said.append) is None
+    if (folder / "probe_rank0.json").exists():
+        assert "failed on rank 0: KeyError" in said[0]
     assert probe_seconds(folder) == 0.0 and cached_probe(study) is None
