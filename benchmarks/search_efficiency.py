@@ -28,8 +28,16 @@ over the seeds: launches to ≥ 98 % of the best (median, worst; "never" counts 
 launches, and for dsopt the false prunes (pruned, never launched, measured to fit), the risky candidates held
 on a sampler's proposal and never launched that measured to fit, and the time model's Spearman ρ with the
 measured throughput of every ok candidate (calibrated on a run's trials, median over runs); and, per grid, the
-time model's ρ before any trial; and in how many runs the first launch (the FP32 reference is not one here) was
-feasible and within 10 % of the best's speed (:data:`FIRST_WITHIN`). Asserts nothing.
+time model's ρ before any trial; and in how many runs the first launch was feasible and within 10 % of the best's
+speed (:data:`FIRST_WITHIN`), and in how many the best feasible speed known after it — the FP32 reference's
+included — was.
+
+dsopt's FP32 reference run: a real study launches it first (for the losses every trial is judged against) and,
+where its candidate is in the space, records it as that candidate's trial before its first launch, and chooses its
+seeds knowing it (docs/studies.md, "The launch policy"). The replay records the grid's measurement of that
+candidate the same way (``--without-reference``: as the replays did before 2026-12-07, as if it measured nothing).
+Its launch is the study's fixed first one and is not counted among the launches; where it is itself the target,
+the target is reached after 0 launches (the first launch is still made and reported). Asserts nothing.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ import optuna
 from launchers.study.study_run import run_study
 from launchers.trace.inventory import adapted_inventory
 from launchers.trace.study_traces import with_traced_activations
+from launchers.trial.run import reference_candidate
 from optimizer.ledger.core import evaluate
 from optimizer.perf.throughput import StepTime, predict, profile_rates, work
 from optimizer.results.trial_result import Outcome, RankMeasurement, TrialResult
@@ -164,7 +173,16 @@ def as_result(grid: Grid, entry: dict) -> TrialResult:
                        tokens_per_s=entry["tokens_per_s"], loss_fidelity=entry["loss_fidelity"])
 
 
-def run_dsopt(grid: Grid, seed: int, folder: Path) -> Run:
+def reference_entry(grid: Grid) -> dict | None:
+    """The grid's measurement of the study's FP32 reference candidate (:func:`launchers.trial.run.reference_candidate`),
+    or None where the grid did not record it."""
+    return grid.entries.get(reference_candidate(grid.spec).label())
+
+
+def run_dsopt(grid: Grid, seed: int, folder: Path, *, with_reference: bool = True) -> Run:
+    """The study as built, its launches looked up. ``with_reference``: the FP32 reference run is a whole trial of
+    its candidate, recorded before the first launch as a real study records it (its launch is the study's fixed
+    first one, for the losses: not counted here; where it is itself the target, the target is reached after 0)."""
     run = Run(launched=[])
 
     def runner(candidate: Candidate, _reference: list[float]) -> TrialResult:
@@ -174,11 +192,15 @@ def run_dsopt(grid: Grid, seed: int, folder: Path) -> Run:
             raise StopReplay
         return result
 
+    reference = reference_entry(grid) if with_reference else None
+    if reference is not None and grid.hit(reference):
+        run.reached_at = 0  # the first launch is still made (and reported), then the replay stops
     storage = f"sqlite:///{folder / f'dsopt-{seed}.db'}"
     spec = grid.spec
     with contextlib.suppress(StopReplay), contextlib.redirect_stderr(io.StringIO()):  # the table only
         run_study(spec=spec, storage=storage, n_trials=None, timeout_s=None, runner=runner,
-                  reference=lambda: [], sampler=optuna.samplers.TPESampler(seed=seed))
+                  reference=lambda: [], sampler=optuna.samplers.TPESampler(seed=seed),
+                  replayed_reference=None if reference is None else lambda _candidate: as_result(grid, reference))
     study = optuna.load_study(study_name=spec.name, storage=storage)
     trials = study.get_trials(deepcopy=False)
     base = baseline_candidate(spec.training)
@@ -266,8 +288,9 @@ def run_autotuner(grid: Grid) -> Run:
     return run
 
 
-def summarize(name: str, runs: list[Run], grid: Grid) -> str:
-    """One table row; a run that never reached the target counts as infinitely many launches."""
+def summarize(name: str, runs: list[Run], grid: Grid, *, reference: str | None = None) -> str:
+    """One table row; a run that never reached the target counts as infinitely many launches. ``reference``: the
+    label of the FP32 reference run the strategy records before its first launch (dsopt's), if any."""
     total = len(grid.entries)
     launches = sorted(float("inf") if r.reached_at is None else r.reached_at for r in runs)
     never = sum(1 for r in runs if r.reached_at is None)
@@ -279,12 +302,18 @@ def summarize(name: str, runs: list[Run], grid: Grid) -> str:
     worst = text(launches[-1]) + (f" — {never} of {len(runs)} runs never, after {longest} launches" if never else "")
     ooms, false, held = [r.ooms(grid) for r in runs], [r.false_prunes for r in runs], [r.held_fits for r in runs]
     rho = [r.spearman for r in runs if r.spearman is not None]
-    first = sum(1 for r in runs if r.launched and grid.feasible(entry := grid.entries[r.launched[0]])
-                and entry["tokens_per_s"] >= FIRST_WITHIN * grid.best_tokens_per_s)
+    def speed(label: str | None) -> float:
+        entry = grid.entries.get(label) if label else None
+        return entry["tokens_per_s"] if entry is not None and grid.feasible(entry) else 0.0
+
+    bar = FIRST_WITHIN * grid.best_tokens_per_s
+    first = sum(1 for r in runs if r.launched and speed(r.launched[0]) >= bar)
+    known = sum(1 for r in runs if max(speed(r.launched[0] if r.launched else None), speed(reference)) >= bar)
     return (f"| {name} | {len(runs)} | {text(statistics.median(launches))} | {worst} | "
             f"{statistics.median(ooms):g} (max {max(ooms)}) | {statistics.median(false):g} (max {max(false)}) | "
             f"{statistics.median(held):g} (max {max(held)}) | "
-            + (f"{statistics.median(rho):.2f}" if rho else "-") + f" | {first} of {len(runs)} |")
+            + (f"{statistics.median(rho):.2f}" if rho else "-")
+            + f" | {first} of {len(runs)} | {known} of {len(runs)} |")
 
 
 def main() -> int:
@@ -297,6 +326,9 @@ def main() -> int:
                         help="replay only these strategies (default: all)")
     parser.add_argument("--without-probe", action="store_true",
                         help="replay as if the grid carried no probe of its machine (the time model from trials only)")
+    parser.add_argument("--without-reference", action="store_true",
+                        help="replay as if the FP32 reference run measured nothing the study records (before "
+                             "2026-12-07 the replays did not record it)")
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     budgets = [parse_bytes(text) for text in args.budget] if args.budget else [None]
@@ -305,14 +337,15 @@ def main() -> int:
         for budget in budgets:
             try:
                 report(Path(path), seeds=args.seeds, budget_bytes=budget, strategies=args.strategy,
-                       probe=not args.without_probe)
+                       probe=not args.without_probe, with_reference=not args.without_reference)
             except NothingFeasible as error:  # the other budgets and grids are still reported
                 print(f"search_efficiency.py: {error}", file=sys.stderr)
                 code = 2
     return code
 
 
-def report(path: Path, *, seeds: int, budget_bytes: int | None, strategies: list[str], probe: bool = True) -> None:
+def report(path: Path, *, seeds: int, budget_bytes: int | None, strategies: list[str], probe: bool = True,
+           with_reference: bool = True) -> None:
     """The grid's summary and the strategies' table."""
     grid = load_grid(path, budget_bytes=budget_bytes, probe=probe)
     spec = grid.spec
@@ -329,6 +362,12 @@ def report(path: Path, *, seeds: int, budget_bytes: int | None, strategies: list
           f"{spec.hardware.gpu_memory_bytes / 1e6:g} MB per rank); best {best['tokens_per_s']:,.0f} tokens/s "
           f"({best['label']}); target ≥ {TARGET:.0%} = {TARGET * best['tokens_per_s']:,.0f} tokens/s; "
           f"{sum(grid.hit(e) for e in entries)} candidate(s) reach it")
+    reference = reference_entry(grid) if with_reference else None
+    print("dsopt's FP32 reference run (recorded as a trial before its first launch; that launch not counted): "
+          + ("none recorded" if reference is None else
+             f"{reference['label']}, " + ("feasible" if grid.feasible(reference) else "not feasible")
+             + (f", {reference['tokens_per_s'] / best['tokens_per_s']:.0%} of the best's speed"
+                if reference["outcome"] == "ok" else f", {reference['outcome']}")))
     print(f"uncalibrated traced ledger: {static_false} false prune(s) of {measured_fit} candidates measured to "
           f"fit ({static_false / max(1, measured_fit):.1%})")
     before = profile_rates(hardware=spec.hardware)
@@ -337,14 +376,17 @@ def report(path: Path, *, seeds: int, budget_bytes: int | None, strategies: list
           + (f"Spearman ρ {rho:.2f}\n" if rho is not None else "predicts no candidate's speed\n"))
     print("| strategy | runs | launches to ≥98% best, median | worst | OOM launches | false prunes | "
           "held, never launched, measured to fit | time-model Spearman ρ | "
-          f"first launch ≥ {FIRST_WITHIN:.0%} of best |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"first launch ≥ {FIRST_WITHIN:.0%} of best | "
+          f"best known after it ≥ {FIRST_WITHIN:.0%} (reference included) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
-        runs = {"dsopt": lambda: [run_dsopt(grid, seed, Path(folder)) for seed in range(seeds)],
+        runs = {"dsopt": lambda: [run_dsopt(grid, seed, Path(folder), with_reference=with_reference)
+                                  for seed in range(seeds)],
                 "autotuner walk": lambda: [run_autotuner(grid)],
                 "TPE, no ledger": lambda: [run_tpe(grid, seed) for seed in range(seeds)],
                 "random": lambda: [run_random(grid, seed) for seed in range(seeds)]}
-        rows = [summarize(name, run(), grid) for name, run in runs.items() if STRATEGIES[name] in strategies]
+        rows = [summarize(name, run(), grid, reference=reference["label"] if name == "dsopt" and reference else None)
+                for name, run in runs.items() if STRATEGIES[name] in strategies]
     print("\n".join(rows), flush=True)
 
 

@@ -18,6 +18,7 @@ import json
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import optuna
 
@@ -79,14 +80,17 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
               runner: Callable[[Candidate, list[float]], TrialResult] | None = None,
               parallel: bool = False, reference: Callable[[], list[float]] | None = None,
               sampler: optuna.samplers.BaseSampler | None = None,
-              gpus: Sequence[str] | None = None, progress: ProgressMode = ProgressMode.HUMAN) -> optuna.Study:
+              gpus: Sequence[str] | None = None, progress: ProgressMode = ProgressMode.HUMAN,
+              replayed_reference: Callable[[Candidate], TrialResult | None] | None = None) -> optuna.Study:
     """Create or join the study on ``storage`` and run trials until a limit is reached (module doc).
 
     ``parallel`` (``dsopt worker``): other workers may share the storage, so SQLite is refused.
     ``runner`` and ``reference`` replace the real launches (the search-efficiency benchmark replays recorded
-    measurements through them); ``sampler`` replaces Optuna's default (TPE) sampler. ``gpus`` is this worker's
-    slice of its node's GPUs (:func:`launchers.trial.run.check_devices`), used by every launch including the
-    reference; None: every GPU the process sees. ``progress``: what it prints (:mod:`launchers.study.progress`).
+    measurements through them; ``replayed_reference`` gives what the replayed reference run measured of its
+    candidate, recorded as the real reference's files are); ``sampler`` replaces Optuna's default (TPE) sampler.
+    ``gpus`` is this worker's slice of its node's GPUs (:func:`launchers.trial.run.check_devices`), used by every
+    launch including the reference; None: every GPU the process sees. ``progress``: what it prints
+    (:mod:`launchers.study.progress`).
     """
     from launchers.probe.machine import PROBE_TIMEOUT_S, announcement, collect_riding, riding_input, with_probe
     from launchers.trace.study_traces import with_traced_activations
@@ -122,6 +126,14 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
             collect_riding(spec, spec.output_dir / "reference", gpus=gpus, say=lambda text: _say(worker, text))
         return losses
 
+    def reference_trial(study_spec: StudySpec, candidate: Candidate, *, trial_dir: Path | None) -> TrialResult | None:
+        # the FP32 reference run as the trial of its candidate (no launch): its files, or a replay's measurement
+        if candidate != baseline:
+            return None
+        if replayed_reference is not None:
+            return replayed_reference(candidate)
+        return None if runner is not None else reference_as_trial(study_spec, candidate, trial_dir=trial_dir)
+
     probed_specs: list[StudySpec] = []
 
     def probed() -> StudySpec:  # the riding probe, cached by now (or, where it failed, one of its own now), once
@@ -130,8 +142,8 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
         return probed_specs[0]
     losses = setup_study(study=study, spec=spec, space=space, worker=worker, key=reference_key(spec),
                          say=lambda text: _say(worker, text),
-                         measured=lambda: [baseline] if ours and runner is None and reference_as_trial(
-                             spec, baseline, trial_dir=None) is not None else [],
+                         measured=lambda: [(baseline, result)] if ours and (
+                             result := reference_trial(spec, baseline, trial_dir=None)) is not None else [],
                          reference=reference or reference_run, seeding=probed if riding is not None else None,
                          reference_launches=(lambda: 0) if reference is not None
                          else (lambda: 0 if cached_reference_losses(spec) is not None else 1))
@@ -181,8 +193,8 @@ def run_study(*, spec: StudySpec, storage: str, n_trials: int | None, timeout_s:
                  runner=launch, n_trials=n_trials, timeout_s=timeout_s,
                  artifact_dir=lambda candidate: str(trial_dir_for(spec, candidate)),
                  after_launch=uploader(default_store_dir(spec.output_dir), warn=report.say),
-                 measured=None if runner is not None else lambda candidate: reference_as_trial(
-                     stated, candidate, trial_dir=trial_dir_for(spec, candidate)) if candidate == baseline else None)
+                 measured=lambda candidate: reference_trial(stated, candidate,
+                                                            trial_dir=trial_dir_for(spec, candidate)))
     finally:
         report.close()
     return study

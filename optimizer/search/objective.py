@@ -31,7 +31,7 @@ that started no rank (a DeepSpeed op this node cannot build, :mod:`launchers.stu
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,41 +75,85 @@ UNKNOWN_FIDELITY = 1.0
 """The loss-fidelity constraint of a trial whose fidelity is unknown: violated (> 0), so never feasible."""
 POLICY_MARK = "model"
 """``enqueued_by`` of a trial the launch policy chose (it may launch a risky candidate)."""
+SEED_MARK = "seed"
+"""``enqueued_by`` of a safe seed."""
+RISKY_SEED_MARK = f"{POLICY_MARK} (seed)"
+"""``enqueued_by`` of a risky seed: the launch policy's pick (:data:`POLICY_MARK`), launched, not held."""
+SEED_FIT_PROBABILITY = 0.8
+"""Where the machine's probe ranks every stage before any trial, a seed may be risky down to this probability to
+fit. Seeds are chosen together, before any of them has run, so none learns from another's OOM; at 0.8 the three
+carry at most 3 × 0.2 = 0.6 expected OOM launches (the probability is conservative: its margin is the recorded
+grids' worst miss, about their 98th percentile), inside issue 38's bar of a median of at most 1 per study. Safe
+only (0.977), the seeds could not take a best that needs most of the budget: it came 4th on grid-cpu at 3 MB
+(docs/benchmarks.md, "Seeds that may be risky")."""
 
 
 class TrialFailed(Exception):
     """A launched trial ended in oom, nan, crash, timeout or unsupported: Optuna records it as FAIL."""
 
 
-def seed_study(study: optuna.Study, spec: StudySpec, space: Branches) -> int:
-    """Enqueue the first safe candidates of the launch order with the uncalibrated models
+def seed_study(study: optuna.Study, spec: StudySpec, space: Branches,
+               measured: Sequence[tuple[Candidate, TrialResult]] = ()) -> int:
+    """Enqueue the first candidates of the launch order with the uncalibrated models
     (:func:`optimizer.search.next_launch.options`), once per study (a study attribute guards it). Where the
     machine's probe timed DeepSpeed's engine at every ZeRO stage of the space (:mod:`optimizer.perf.skeleton`), the
-    time model ranks the stages before any trial: the first of the launch order, whatever their stages. Otherwise
-    one per ZeRO stage, the lower stages first: each stage has its own per-micro-step and communication figures,
-    and the time model can rank a stage only once it has measured it."""
+    time model ranks the stages before any trial: the first of the launch order whose probability to fit is at least
+    :data:`SEED_FIT_PROBABILITY`, whatever their stages (a risky one is marked as the launch policy's pick). Otherwise
+    the safe ones, one per ZeRO stage, the lower stages first: each stage has its own per-micro-step and
+    communication figures, and the time model can rank a stage only once it has measured it.
+
+    ``measured``: results measured outside the study's launches — the FP32 reference run, a whole trial of its
+    candidate (:mod:`launchers.trial.reference_trial`) — that the study records before its first launch. The seeds
+    are chosen knowing them (:func:`measured_as_trials`): the reference's family has measured its ledger error, so
+    its margin is its own rather than the prior (a candidate of it near the budget may be safe now), the front has
+    the reference's speed to beat, and the reference's candidate is not a seed."""
     if study.user_attrs.get("dsopt_seeded"):
         return 0
     base = baseline_candidate(spec.training)
     candidates = list(spec.search_space.candidates(base))
     verdicts = [evaluate(candidate=c, model=spec.model, hardware=spec.hardware, training=spec.training)
                 for c in candidates]
-    models = study_models(spec=spec, trials=[], base=base)
-    safe = [o for o in options(spec=spec, space=space, trials=[], models=models, verdicts=verdicts)
-            if o.assessment.standing is Standing.SAFE]
+    known = measured_as_trials(spec=spec, space=space, measured=measured)
+    models = study_models(spec=spec, trials=known, base=base)
+    likely = [o for o in options(spec=spec, space=space, trials=known, models=models, verdicts=verdicts)
+              if o.assessment.fit_probability >= SEED_FIT_PROBABILITY]
     probe = spec.hardware.probe
     timed = {f.variant for f in probe.of_kind("engine_micro")} if probe is not None else set()
-    ranked = safe
+    ranked = likely
     if not all(f"z{int(c.zero_stage)}" in timed for c in candidates):
+        safe = [o for o in likely if o.assessment.standing is Standing.SAFE]
         per_stage: dict[int, object] = {}
         for option in safe:
             per_stage.setdefault(int(option.candidate.zero_stage), option)
         ranked = [per_stage[stage] for stage in sorted(per_stage)] + [o for o in safe if o not in per_stage.values()]
-    for option in ranked[:SEED_ENQUEUE]:
+    for option in ranked[:SEED_ENQUEUE]:  # a risky seed is the launch policy's pick: launched, not held
         study.enqueue_trial(distribution_params(option.candidate, space), skip_if_exists=True,
-                            user_attrs={"enqueued_by": "seed"})
+                            user_attrs={"enqueued_by": SEED_MARK if option.assessment.standing is Standing.SAFE
+                                        else RISKY_SEED_MARK})
     study.set_user_attr("dsopt_seeded", True)
-    return sum(1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get("enqueued_by") == "seed")
+    return sum(1 for t in study.get_trials(deepcopy=False)
+               if t.user_attrs.get("enqueued_by") in (SEED_MARK, RISKY_SEED_MARK))
+
+
+def measured_as_trials(*, spec: StudySpec, space: Branches,
+                       measured: Sequence[tuple[Candidate, TrialResult]]) -> list[optuna.trial.FrozenTrial]:
+    """``measured`` as the study will record them — through the objective itself (:func:`make_objective`'s
+    ``measured``: no launch), on a scratch in-memory study, so that what the seeds know is exactly what the
+    study's first trials will say (budget judged, fidelity constrained, device shares and ledger figures kept)."""
+    if not measured:
+        return []
+    results = {candidate.label(): result for candidate, result in measured}
+
+    def never(candidate: Candidate) -> TrialResult:
+        raise AssertionError(f"{candidate.label()}: a measured result is recorded, never launched")
+
+    scratch = optuna.create_study(directions=list(DIRECTIONS))
+    objective = make_objective(spec=spec, space=space, runner=never,
+                               measured=lambda candidate: results.get(candidate.label()))
+    for candidate, _ in measured:
+        scratch.enqueue_trial(distribution_params(candidate, space), user_attrs={"enqueued_by": "measured"})
+        scratch.optimize(objective, n_trials=1, catch=(TrialFailed,))
+    return scratch.get_trials(deepcopy=False)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -99,14 +99,15 @@ WAIT = StopReason(text="every remaining candidate is being run by another worker
 def setup_study(*, study: optuna.Study, spec: StudySpec, space: Branches, worker: str, key: str,
                 reference: Callable[[], list[float]], say: Callable[[str], None], wait_s: float = WAIT_S,
                 reference_launches: Callable[[], int] = lambda: 0,
-                measured: Callable[[], Sequence[Candidate]] = lambda: (),
+                measured: Callable[[], Sequence[tuple[Candidate, TrialResult]]] = lambda: (),
                 seeding: Callable[[], StudySpec] | None = None) -> list[float]:
     """Obtain the FP32 reference losses and seed the study exactly once per study file (setup lease ``key``:
     the reference's identity); returns the reference losses. Other workers wait for the holder; a dead holder's
     lease is taken over. ``reference_launches`` says, before the reference is obtained, how many launches it
     will take (1 unless it is cached): the study records it, and ``budget.max_launches`` counts it.
     ``measured``: the candidates the reference run measured as a trial measures them (its own, where it is in the
-    space), asked once the reference has run: enqueued ahead of the seeds (:data:`MEASURED_MARK`). ``seeding``: the
+    space) with their results, asked once the reference has run: enqueued ahead of the seeds (:data:`MEASURED_MARK`),
+    and the seeds are chosen knowing them (:func:`~optimizer.search.objective.seed_study`). ``seeding``: the
     spec the seeds are chosen with, asked once the reference has run (its launch may have probed the machine,
     :mod:`launchers.study.study_run`); default ``spec``."""
     lease = SetupLease(study, key=key, worker=worker)
@@ -123,10 +124,11 @@ def setup_study(*, study: optuna.Study, spec: StudySpec, space: Branches, worker
                 launches = reference_launches()
                 study.set_user_attr("reference_losses", reference())
                 study.set_user_attr(REFERENCE_LAUNCHES_ATTR, launches)
-                for candidate in measured():  # first in the queue: recorded before any launch (run_loop)
+                known = list(measured())
+                for candidate, _ in known:  # first in the queue: recorded before any launch (run_loop)
                     study.enqueue_trial(distribution_params(candidate, space), skip_if_exists=True,
                                         user_attrs={"enqueued_by": MEASURED_MARK, "candidate": candidate.knobs()})
-                enqueued = seed_study(study, spec if seeding is None else seeding(), space)
+                enqueued = seed_study(study, spec if seeding is None else seeding(), space, measured=known)
                 say(f"setting up the study: {enqueued} candidate(s) enqueued")
                 study.set_user_attr("reference_key", lease.key)
                 lease.finish()

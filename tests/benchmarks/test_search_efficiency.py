@@ -8,6 +8,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import optuna
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,3 +138,29 @@ def test_a_budget_no_candidate_fits_is_one_clear_error(bench, capsys, monkeypatc
     monkeypatch.setattr(sys, "argv", ["search_efficiency.py", "--grid", str(GRID), "--budget", "1 kB", "--seeds", "1"])
     assert bench.main() == 2
     assert "nothing to search for" in capsys.readouterr().err
+
+
+def test_the_replayed_study_records_the_reference_run_before_its_first_launch(bench, tmp_path):
+    # a real study's FP32 reference run is a whole trial of its candidate, recorded with no launch before the first
+    # one (launchers/trial/reference_trial.py): the replay records the grid's measurement of it the same way
+    from dataclasses import replace
+
+    from launchers.trial.run import reference_candidate
+    grid = bench.load_grid(GRID, budget_bytes=3_500_000)
+    reference = reference_candidate(grid.spec).label()
+    run = bench.run_dsopt(grid, 0, tmp_path)
+    study = optuna.load_study(study_name=grid.spec.name, storage=f"sqlite:///{tmp_path / 'dsopt-0.db'}")
+    first = study.trials[0]
+    assert first.user_attrs["label"] == reference and first.user_attrs["launches"] == 0
+    assert first.user_attrs["measured_by"] == "the FP32 reference run"
+    assert first.values[1] == grid.entries[reference]["tokens_per_s"]
+    assert reference not in run.launched and run.launched  # the seeds follow it
+    # where the reference is itself the target, it is reached after 0 launches; the first launch is still made
+    as_best = replace(grid, best_tokens_per_s=grid.entries[reference]["tokens_per_s"])
+    (tmp_path / "again").mkdir()
+    run = bench.run_dsopt(as_best, 0, tmp_path / "again")
+    assert run.reached_at == 0 and len(run.launched) == 1
+    (tmp_path / "without").mkdir()  # --without-reference: as the replays were before, no trial is the reference's
+    bench.run_dsopt(grid, 0, tmp_path / "without", with_reference=False)
+    study = optuna.load_study(study_name=grid.spec.name, storage=f"sqlite:///{tmp_path / 'without' / 'dsopt-0.db'}")
+    assert not any("measured_by" in t.user_attrs for t in study.trials)

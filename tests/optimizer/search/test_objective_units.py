@@ -114,6 +114,55 @@ def test_seeding_enqueues_one_safe_candidate_per_stage_lowest_first_and_only_onc
     assert stages == [ZeroStage.DISABLED, ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS]
 
 
+@pytest.mark.parametrize(("training", "state", "outcome"),
+                         [(900_000, optuna.trial.TrialState.COMPLETE, None),
+                          (1_100_000, optuna.trial.TrialState.FAIL, "oom")])
+def test_a_measured_result_is_seen_as_the_study_will_record_it(tiny, training, state, outcome):
+    # what the seeds know of the FP32 reference run: the objective's own record of it on a scratch study — at a 1 MB
+    # budget 0.9 MB fits (values: the device share and tokens/s), 1.1 MB is an oom; no launch either way
+    from optimizer.search.objective import measured_as_trials
+    spec = replace(tiny, hardware=replace(tiny.hardware, gpu_memory_bytes=1_000_000))
+    base = baseline_candidate(spec.training)
+    [trial] = measured_as_trials(spec=spec, space=branches(spec), measured=[(base, _ok(training=training,
+                                                                                       init=500_000))])
+    assert trial.state is state and trial.user_attrs["label"] == BASE_LABEL
+    assert trial.user_attrs["launches"] == 0 and trial.user_attrs["device_share_bytes"] == training
+    assert trial.user_attrs.get("outcome") == (outcome or "ok")
+    if outcome is None:
+        assert trial.values == [900_000.0, 1000.0]
+    assert measured_as_trials(spec=spec, space=branches(spec), measured=[]) == []
+
+
+def test_the_seeds_are_chosen_knowing_the_reference_runs_measurement(tiny):
+    # the reference's candidate is measured (it is the first seed without it): it is no seed; the seeds are the
+    # first safe ones of the launch order with its trial known — its family's ledger error measured, its speed the
+    # front to beat
+    from optimizer.ledger.core import evaluate
+    from optimizer.search.next_launch import options
+    from optimizer.search.objective import measured_as_trials
+    from optimizer.search.ordering import study_models
+    space = branches(tiny)
+    base = baseline_candidate(tiny.training)
+    plain = optuna.create_study(directions=list(DIRECTIONS))
+    seed_the_study(plain, tiny, space)
+    first = sample_candidate(plain.ask(), space, base)
+    measured = [(first, _ok(training=400_000, init=200_000))]
+    study = optuna.create_study(directions=list(DIRECTIONS))
+    assert seed_the_study(study, tiny, space, measured=measured) == 3
+    seeds = [sample_candidate(study.ask(), space, base) for _ in range(3)]
+    assert first not in seeds
+    known = measured_as_trials(spec=tiny, space=space, measured=measured)
+    verdicts = [evaluate(candidate=c, model=tiny.model, hardware=tiny.hardware, training=tiny.training)
+                for c in tiny.search_space.candidates(base)]
+    ranked = options(spec=tiny, space=space, trials=known, verdicts=verdicts,
+                     models=study_models(spec=tiny, trials=known, base=base))
+    safe = [o.candidate for o in ranked if o.assessment.standing.name == "SAFE"]
+    stages = {}
+    for candidate in safe:  # tiny has no probe: one seed per stage, the lowest stages first
+        stages.setdefault(candidate.zero_stage, candidate)
+    assert seeds == [stages[stage] for stage in sorted(stages)][:3]
+
+
 def _probed(spec, *, engine_s: dict[int, float]):
     """``spec`` with a probe of its machine written by hand: every kernel figure the CPU time model needs, and
     DeepSpeed's engine per micro-step at the stages of ``engine_s`` (seconds; the optimizer step as dear again)."""
@@ -145,6 +194,37 @@ def test_with_every_stages_engine_probed_the_seeds_follow_the_time_model_not_the
         stages = [sample_candidate(study.ask(), branches(spec), base).zero_stage for _ in range(3)]
         assert stages[0] in first_stages
     assert set(stages) == {ZeroStage.DISABLED, ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS}  # a stage not probed
+
+
+def test_with_the_engine_probed_a_seed_may_be_risky_down_to_the_seed_probability(tiny):
+    # over budgets from roomy to tight: the seeds are the launch order's first three with a probability to fit
+    # ≥ SEED_FIT_PROBABILITY, in that order; a risky one carries the launch policy's mark (launched, not held), a
+    # safe one the seed mark; a likelier-to-OOM candidate ahead of them in the launch order is passed over
+    from optimizer.ledger.core import evaluate
+    from optimizer.search.launch_policy import Standing
+    from optimizer.search.next_launch import options
+    from optimizer.search.objective import RISKY_SEED_MARK, SEED_FIT_PROBABILITY, SEED_MARK
+    from optimizer.search.ordering import study_models
+    base = baseline_candidate(tiny.training)
+    risky_seeds = passed_over = 0
+    for budget in range(1_000_000, 3_000_001, 100_000):
+        spec = _probed(replace(tiny, hardware=replace(tiny.hardware, gpu_memory_bytes=budget)),
+                       engine_s={0: 0.1, 1: 0.1, 2: 0.1, 3: 0.1})
+        space = branches(spec)
+        verdicts = [evaluate(candidate=c, model=spec.model, hardware=spec.hardware, training=spec.training)
+                    for c in spec.search_space.candidates(base)]
+        ranked = options(spec=spec, space=space, trials=[], verdicts=verdicts,
+                         models=study_models(spec=spec, trials=[], base=base))
+        likely = [o for o in ranked if o.assessment.fit_probability >= SEED_FIT_PROBABILITY][:3]
+        study = optuna.create_study(directions=list(DIRECTIONS))
+        assert seed_the_study(study, spec, space) == len(likely)
+        queued = study.get_trials()
+        assert [sample_candidate(study.ask(), space, base) for _ in likely] == [o.candidate for o in likely]
+        assert [t.user_attrs["enqueued_by"] for t in queued] == [
+            SEED_MARK if o.assessment.standing is Standing.SAFE else RISKY_SEED_MARK for o in likely]
+        risky_seeds += sum(o.assessment.standing is Standing.RISKY for o in likely)
+        passed_over += bool(likely) and ranked.index(likely[-1]) >= len(likely)
+    assert risky_seeds and passed_over  # both cases met somewhere in the range
 
 
 def test_seeding_again_enqueues_no_duplicate(tiny):
