@@ -46,13 +46,20 @@ from optimizer.study.study_file import StudySpec, load_study
 ROOT = Path(__file__).resolve().parents[1]
 
 
+KERNEL_PINS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+"""Environment variables that pin the CPU kernels torch and oneDNN choose (e.g. ``avx2`` on an AMX machine, whose
+oneDNN bf16 matmul holds a transient no GPU kernel has: docs/benchmarks.md, "QLoRA, measured"); recorded where set."""
+
+
 def machine() -> dict[str, object]:
-    """What the grid was measured on."""
+    """What the grid was measured on (and the CPU kernels it was pinned to, where it was)."""
     cpu = cpu_model()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    pinned = {name: os.environ[name] for name in KERNEL_PINS if name in os.environ}
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": memory, "os": platform.platform(),
             "python": platform.python_version(),
-            "versions": {name: metadata.version(name) for name in ("torch", "deepspeed", "optuna", "dsopt")}}
+            "versions": {name: metadata.version(name) for name in ("torch", "deepspeed", "optuna", "dsopt")},
+            **({"kernels_pinned": pinned} if pinned else {})}
 
 
 def write(out: Path, data: dict[str, object]) -> None:

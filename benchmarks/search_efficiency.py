@@ -356,7 +356,10 @@ def report(path: Path, *, seeds: int, budget_bytes: int | None, strategies: list
         candidate=candidate_of(e["knobs"], baseline_candidate(spec.training)), model=spec.model,
         hardware=spec.hardware, training=spec.training).fits)
     measured_fit = sum(1 for e in entries if _fits(grid, e))
-    machine = json.loads(path.read_text())["machine"]["cpu"]
+    recorded_on = json.loads(path.read_text())["machine"]
+    pins = recorded_on.get("kernels_pinned")  # record_grid.py: torch's and oneDNN's kernels pinned, where they were
+    machine = recorded_on["cpu"] + (" (kernels pinned: " + ", ".join(f"{k}={v}" for k, v in pins.items()) + ")"
+                                    if pins else "")
     print(f"\ngrid {path.name}: {len(entries)} candidates on {machine}; "
           f"{len(feasible)} feasible, {sum(grid.oom(e) for e in entries)} OOM (device share > "
           f"{spec.hardware.gpu_memory_bytes / 1e6:g} MB per rank); best {best['tokens_per_s']:,.0f} tokens/s "

@@ -66,3 +66,15 @@ def test_a_trial_folder_of_another_run_is_refused_and_nothing_is_written(tmp_pat
     out = tmp_path / "grid.json"
     assert _record_grid().judge_again(study, {"candidates": [entry]}, out, [5.0, 4.0]) == 2
     assert not out.exists() and "record the grid again" in capsys.readouterr().err
+
+
+def test_a_grid_names_the_cpu_kernels_it_was_pinned_to(monkeypatch):
+    # a recording with torch's and oneDNN's kernels pinned (an AMX machine made to run AVX2 kernels) says so; one
+    # without a pin carries no such field
+    record_grid = _record_grid()
+    for name in record_grid.KERNEL_PINS:
+        monkeypatch.delenv(name, raising=False)
+    assert "kernels_pinned" not in record_grid.machine()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert record_grid.machine()["kernels_pinned"] == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
