@@ -186,19 +186,27 @@ def collect_riding(spec: StudySpec, folder: Path, *, gpus: Sequence[str] | None 
                    say: Callable[[str], None] | None = None) -> MachineProbe | None:
     """The probe the FP32 reference's launch took (``probe_rank<k>.json`` in its folder ``folder``), merged and
     cached as :func:`machine_probe` caches its own; None where a rank's report is missing or says the probe failed
-    (:func:`with_probe` then probes on a launch of its own)."""
+    (:func:`with_probe` then probes on a launch of its own). ``say`` is told why: a rank's failure where one
+    reported it, else the ranks that left no report (a rank whose probe fails exits at once and torchrun ends its
+    peers, so only the first to fail may have written one)."""
     plan = probe_plan(spec)
-    reports = []
+    reports, missing = [], []
     for rank in range(plan.ranks):
         try:
             report = json.loads((folder / f"probe_rank{rank}.json").read_text())
         except (OSError, ValueError):
-            return None
+            missing.append(rank)
+            continue
         if not isinstance(report, dict) or "figures" not in report:
             if say is not None and isinstance(report, dict) and "error" in report:
                 say(f"the probe within the FP32 reference's launch failed on rank {rank}: {report['error']}")
             return None
         reports.append(report)
+    if missing:
+        if say is not None:
+            say(f"the probe within the FP32 reference's launch left no report on rank(s) "
+                f"{', '.join(map(str, missing))} (it did not finish there)")
+        return None
     probe = merge(reports, plan=plan, machine=machine_line(plan, gpus=gpus))
     store().put(cache_key(spec, plan, gpus=gpus), probe.to_json())
     if say is not None:

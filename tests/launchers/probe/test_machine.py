@@ -125,12 +125,22 @@ def test_the_riding_probe_is_merged_cached_and_its_seconds_are_not_the_trials(mo
     folder.mkdir()
     said: list[str] = []
     assert collect_riding(study, folder, say=said.append) is None and probe_seconds(folder) == 0.0  # no report
+    assert said == ["the probe within the FP32 reference's launch left no report on rank(s) 0, 1 (it did not finish "
+                    "there)"]
     figure = {"kind": "gemm", "precision": "fp32", "micro_batch": 1, "work": 1e9, "rounds_s": [0.1, 0.2, 0.3]}
     (folder / "probe_rank0.json").write_text(json.dumps({"rank": 0, "seconds": 7.5, "figures": [figure],
                                                          "skipped": []}))
+    said.clear()
+    assert collect_riding(study, folder, say=said.append) is None and cached_probe(study) is None  # rank 1 missing
+    assert said == ["the probe within the FP32 reference's launch left no report on rank(s) 1 (it did not finish "
+                    "there)"]
+    (folder / "probe_rank0.json").unlink()  # rank 0 ended by torchrun, rank 1 failed first: its reason is said
     (folder / "probe_rank1.json").write_text(json.dumps({"rank": 1, "error": "RuntimeError: gloo"}))
+    said.clear()
     assert collect_riding(study, folder, say=said.append) is None and cached_probe(study) is None
     assert said == ["the probe within the FP32 reference's launch failed on rank 1: RuntimeError: gloo"]
+    (folder / "probe_rank0.json").write_text(json.dumps({"rank": 0, "seconds": 7.5, "figures": [figure],
+                                                         "skipped": []}))
     (folder / "probe_rank1.json").write_text(json.dumps({"rank": 1, "seconds": 8.0, "figures": [figure],
                                                          "skipped": []}))
     probe = collect_riding(study, folder, say=said.append)

@@ -91,6 +91,7 @@ def test_a_probe_that_fails_in_the_reference_launch_fails_alone(tmp_path, monkey
     assert written and all(json.loads(path.read_text())["error"].startswith("KeyError") for path in written)
     said: list[str] = []
     assert collect_riding(study, folder, say=said.append) is None
-    if (folder / "probe_rank0.json").exists():
-        assert "failed on rank 0: KeyError" in said[0]
+    first = json.loads(written[0].read_text())["rank"]  # the first rank that wrote why: its reason is said
+    assert said == [f"the probe within the FP32 reference's launch failed on rank {first}: "
+                    + json.loads(written[0].read_text())["error"]]
     assert probe_seconds(folder) == 0.0 and cached_probe(study) is None
