@@ -25,12 +25,12 @@ What the hook does, in order:
   the script did (``scale_wrt_gas=False``); then the mean of the ranks — the gradient norm, whether it was
   applied, the fp16 loss scale; the step's time is the wall time since the previous optimizer step ended — the
   script's whole step, its data loading included; after the warm-up the CPU profiler stops (its peak covers the
-  warm-up, as the built-in trial's) and checkpointing is checked; after warm-up + measured steps the rank writes
-  ``rank<r>.json`` in the built-in trial's format (:mod:`launchers.rank.trial_rank`), meets the others, exits 0.
+  warm-up, as the built-in trial's), checkpointing and the batch are checked and the heap is settled
+  (:mod:`launchers.measure.gc_pauses`); after warm-up + measured steps the rank writes ``rank<r>.json`` in the
+  built-in trial's format (:mod:`launchers.rank.trial_rank`), meets the others, exits 0.
 
 What the hook cannot see is an error, not a figure: a script that never calls ``deepspeed.initialize`` or ends
-before the measured steps writes a ``crash`` report saying so (at exit); an exception the script does not catch
-is classified as the built-in trial's are (:func:`launchers.rank.trial_rank.classify`).
+early writes a ``crash`` report saying so; an uncaught exception is classified (:func:`trial_rank.classify`).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from launchers.measure.gc_pauses import GcPauses
 from launchers.measure.rng_draws import DrawWatch
 from launchers.process.after_import import AfterImport
 from launchers.rank.script_checks import (
@@ -94,6 +95,7 @@ class _State:
     done: int = 0
     last_boundary: float = 0.0
     draws: DrawWatch = field(default_factory=DrawWatch)  # training draws random numbers (rng_draws.py)
+    pauses: GcPauses = field(default_factory=GcPauses)  # the measured steps' cyclic collections (gc_pauses.py)
 
 
 _state: _State | None = None
@@ -274,7 +276,7 @@ def _after_optimizer_step() -> None:
             state.step_times.append(elapsed)
             state.tokens.append(int(totals[2]))
         state.done += 1
-    if state.done == warmup and state.profiler is not None:
+    if state.done == warmup and not state.pauses.watching:  # once, CPU and CUDA ranks alike
         _end_warmup()
     if state.done >= warmup + measured:
         _finish("ok")
@@ -285,17 +287,17 @@ def _after_optimizer_step() -> None:
 
 
 def _end_warmup() -> None:
-    """After the warm-up: the CPU profiler's peaks, and whether the script recomputes as the candidate asks."""
+    """After the warm-up: the CPU profiler's peaks, the script's recomputation and batch checked, the heap settled."""
     state = _state
     assert state is not None
-    if state.profiler is not None:
-        _end_warmup_peaks()
+    _end_warmup_peaks()
     wrong = checkpointing_mismatch(state.plan, state.forward_calls)
     if wrong:
         _finish("crash", error_type="NotTheCandidate", message=wrong, code=1)
     wrong = batch_mismatch(state.plan, state.first_batch)
     if wrong:
         _finish("crash", error_type="NotTheCandidate", code=1, message=wrong)
+    state.pauses.settle_and_start()
 
 
 def _measurements() -> dict[str, Any]:
@@ -314,8 +316,7 @@ def _measurements() -> dict[str, Any]:
                 "training_peak_allocated_bytes": train_alloc, "training_peak_reserved_bytes": train_reserved,
                 "peak_allocated_bytes": max(train_alloc or 0, init_alloc or 0),
                 "peak_reserved_bytes": max(train_reserved or 0, init_reserved or 0)}
-    if state.profiler is not None:
-        _end_warmup_peaks()
+    _end_warmup_peaks()
     peaks = state.peaks
     return {"init_peak_allocated_bytes": peaks.until[INIT_MARK] if peaks else None, "init_peak_reserved_bytes": None,
             "training_peak_allocated_bytes": peaks.after[INIT_MARK] if peaks else None,
@@ -324,12 +325,13 @@ def _measurements() -> dict[str, Any]:
 
 
 def _end_warmup_peaks() -> None:
+    """Stop the CPU profiler and keep its peaks: once (CUDA ranks run none)."""
     from launchers.measure.cpu_memory import stop_cpu_profiler
 
     state = _state
-    assert state is not None
-    state.peaks = stop_cpu_profiler(state.profiler, ranges=(INIT_MARK,))
-    state.profiler = None
+    if state is not None and state.profiler is not None:
+        state.peaks = stop_cpu_profiler(state.profiler, ranges=(INIT_MARK,))
+        state.profiler = None
 
 
 def _report(status: str, **failure: Any) -> dict[str, Any]:
@@ -349,7 +351,7 @@ def _report(status: str, **failure: Any) -> dict[str, Any]:
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "build_peak_allocated_bytes": None, "script_parameters": state.init.get("script_parameters"),
         "script_trainable_parameters": state.init.get("script_trainable_parameters"),
-        "tokens_per_step": max(state.tokens) if state.tokens else None,
+        "tokens_per_step": max(state.tokens) if state.tokens else None, "gc_pauses": state.pauses.report(),
         "checkpoint_calls_per_forward": sorted(set(state.forward_calls)), "draws_random": state.draws.drew}
     if status == "ok":
         report.update(_measurements())
@@ -359,17 +361,15 @@ def _report(status: str, **failure: Any) -> dict[str, Any]:
 
 
 def _write(report: dict[str, Any]) -> None:
-    state = _state
-    assert state is not None
-    state.reported = True
-    tmp = state.out_dir / f".rank{state.rank}.json.tmp"
-    tmp.write_text(json.dumps(report))
-    tmp.replace(state.out_dir / f"rank{state.rank}.json")  # a rank killed mid-write leaves no half report
+    from launchers.rank.probe_rank import write_report  # atomic, as the built-in trial's
+
+    assert _state is not None
+    _state.reported = True
+    write_report(report, _state.out_dir / f"rank{_state.rank}.json")
 
 
 def _finish(status: str, *, code: int = 0, **failure: Any) -> None:
-    """Write this rank's report and end the script here: ``ok`` after the measured steps (every rank meets the
-    others first, so none is left in a collective), a failure at once."""
+    """Write this rank's report and end the script: ``ok`` once every rank met (none left in a collective)."""
     import torch.distributed as dist
 
     _write(_report(status, **failure))

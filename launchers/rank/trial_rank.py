@@ -51,6 +51,7 @@ import torch.distributed as dist
 from launchers.measure.cpu_memory import LivePeaks, start_cpu_profiler, stop_cpu_profiler
 from launchers.measure.device_identity import cuda_rank, device_identity
 from launchers.measure.device_memory import DeviceMemory
+from launchers.measure.gc_pauses import GcPauses
 from launchers.measure.rng_draws import DrawWatch
 from launchers.models.builtin import build_workload
 from launchers.models.reference import anchored, reference_engine, reference_forward
@@ -286,7 +287,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
     loss_scales: list[float | None] = []
     step_times: list[float] = []
     peaks: LivePeaks | None = None
-    draws = DrawWatch()
+    draws, pauses = DrawWatch(), GcPauses()
     done = 0  # updates applied so far: a skipped (overflowed) step's batch is replayed
     attempts = warmup + measured + skip_allowance(fp16)
     while stopped_at is None and done < warmup + measured and len(losses) < attempts:
@@ -297,6 +298,8 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
                 over, stopped_at = _cpu_stop(stop, peaks, attempted=len(losses))
                 if stopped_at is not None:
                     break
+        if done == warmup and not pauses.watching:  # the warm-up's heap settled, untimed (measure/gc_pauses.py)
+            pauses.settle_and_start()
         batches = _step_batches(batch_fn, step=done, rank=rank, micro=micro, accumulation=accumulation,
                                 device=engine.device, sequences=int(plan["model"].get("sequences_per_sample", 1)))
         if cuda:
@@ -364,6 +367,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
         "construction": construction, "built_partitioned": built_partitioned,
         "losses": losses, "grad_norms": grad_norms, "applied": applied, "loss_scales": loss_scales,
         "step_times_s": step_times, "init_s": init_s, "peak_rss_bytes": _peak_rss_bytes(),
+        "gc_pauses": pauses.report(),  # the measured steps' cyclic collections
         "draws_random": draws.drew,  # the warm-up's micro-steps drew random numbers (launchers/measure/rng_draws.py)
         **init_peaks,
     }

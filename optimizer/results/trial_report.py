@@ -47,6 +47,9 @@ def trial_json(*, result: TrialResult, ledger: Ledger | None, tolerance: float, 
         "loss_scales": list(result.loss_scales),
         "construction": next((r.construction for r in result.ranks), None),
         "init_s": result.init_s,
+        "gc_pause_s": result.gc_pause_s,
+        "gc_full_collections": max((r.gc_full_collections for r in result.ranks
+                                    if r.gc_full_collections is not None), default=None),
         "step_time_s": result.step_time_s,
         "tokens_per_s": result.tokens_per_s,
         "losses": list(result.losses),
@@ -124,6 +127,8 @@ def trial_table(data: dict[str, Any]) -> str:
         f"   step time {data['step_time_s']:.4f} s (median of measured steps, slowest rank); "
         f"{data['tokens_per_s']:,.0f} tokens/s; init {data['init_s'] or 0:.2f} s (construction + initialize, "
         "slowest rank)",
+        *([f"   cyclic GC in the measured steps: {data['gc_pause_s']:.3f} s, {data['gc_full_collections']} full "
+           "collection(s) (slowest rank; the warm-up's heap settled first)"] if data["gc_pause_s"] is not None else []),
         "3. loss and gradient sanity",
         "   losses: " + ", ".join(f"{x:.5f}" for x in data["losses"]),
         "   grad norms: " + ", ".join("-" if g is None else f"{g:.4f}" for g in data["grad_norms"]),

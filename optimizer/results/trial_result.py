@@ -94,6 +94,11 @@ class RankMeasurement:
     """Wall time of each measured optimizer step (the step's batches are built before its clock starts)."""
     init_s: float | None = None
     """Wall time of the init phase: model construction + ``deepspeed.initialize`` (s)."""
+    gc_pause_s: float | None = None
+    """Seconds in CPython's cyclic collections from the first measured step on, once the warm-up's heap was settled
+    (:mod:`launchers.measure.gc_pauses`); None where the report has none (written before, or no measured step)."""
+    gc_full_collections: int | None = None
+    """How many of those collections were full (generation 2): ~0.2 s each in a process that imported transformers."""
     init_peak_allocated_bytes: int | None = None
     """The allocated (CPU ranks: live-tensor) peak of the init phase alone."""
     build_peak_allocated_bytes: int | None = None
@@ -255,6 +260,11 @@ class TrialResult:
         return self._rank_max("init_s")
 
     @property
+    def gc_pause_s(self) -> float | None:
+        """The most seconds a rank spent in cyclic collections in its measured steps (None: not recorded)."""
+        return self._rank_max("gc_pause_s")
+
+    @property
     def peak_rss_bytes(self) -> int | None:
         """Max over ranks of the process peak RSS."""
         return self._rank_max("peak_rss_bytes")  # type: ignore[return-value]
@@ -360,6 +370,8 @@ def _measurements(rank_reports: Mapping[int, Mapping[str, Any]]) -> tuple[RankMe
         RankMeasurement(rank=r, peak_allocated_bytes=rep["peak_allocated_bytes"],
                         peak_reserved_bytes=rep["peak_reserved_bytes"], peak_rss_bytes=rep["peak_rss_bytes"],
                         step_times_s=tuple(rep["step_times_s"]), init_s=rep.get("init_s"),
+                        gc_pause_s=(rep.get("gc_pauses") or {}).get("seconds"),
+                        gc_full_collections=((rep.get("gc_pauses") or {}).get("collections") or [None] * 3)[2],
                         init_peak_allocated_bytes=rep.get("init_peak_allocated_bytes"),
                         init_peak_reserved_bytes=rep.get("init_peak_reserved_bytes"),
                         build_peak_allocated_bytes=rep.get("build_peak_allocated_bytes"),

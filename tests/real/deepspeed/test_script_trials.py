@@ -136,7 +136,9 @@ def test_a_script_trial_of_an_offloaded_candidate_checks_its_engine_and_trains(t
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     result = json.loads(next((study.parent / "plain-deepspeed" / "trials").glob("z3_*/result.json")).read_text())
     assert result["outcome"] == "ok", result.get("message")
+    assert all(r["gc_pause_s"] is not None for r in result["ranks"])  # the hook settled the heap and watched
     assert "agreement with the FP32 baseline" in run.stdout and "ok)" in run.stdout, run.stdout
+    assert "cyclic GC in the measured steps" in run.stdout, run.stdout
 
 
 def test_a_script_model_s_undeclared_dropout_is_measured_and_each_micro_batch_judged_by_its_own(tmp_path):

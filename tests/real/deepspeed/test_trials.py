@@ -124,6 +124,9 @@ def test_zero_stages_measure_and_agree_with_fp32_reference(study, reference, sta
     assert result.step_time_s == statistics.median(slowest)
     assert result.tokens_per_s == pytest.approx(TOKENS_PER_STEP / result.step_time_s, rel=1e-12)
     assert study.trial.measured_steps * result.step_time_s < result.wall_s
+    # The measured steps' cyclic collections, after the warm-up's heap was settled (launchers/measure/gc_pauses.py).
+    assert all(r.gc_pause_s is not None and 0 <= r.gc_pause_s < result.wall_s for r in result.ranks)
+    assert all(r.gc_full_collections is not None for r in result.ranks)
     assert all(g is not None and g > 0 for g in result.grad_norms)
     assert json.loads((trial_dir / "ds_config.json").read_text())["zero_optimization"]["stage"] == stage
     assert json.loads((trial_dir / "result.json").read_text())["outcome"] == "ok"
