@@ -17,7 +17,8 @@ stragglers in garbage collection" (``torchtitan/tools/utils.py``, ``GarbageColle
 ignored by later collections), after the warm-up and before the first measured step's clock starts, so the
 measured steps see the steady heap of a long run. Collections stay enabled: the steps' own garbage is collected
 and timed as a run without torchtitan's switch pays it. :class:`GcPauses` records every collection from then on
-(``gc.callbacks``) and reports their count per generation and total time beside the step times.
+until the report (``gc.callbacks``) — the untimed bookkeeping between the measured steps included — and reports
+their count per generation and total time beside the step times; :meth:`GcPauses.finish` thaws the heap again.
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ class GcPauses:
             self.counts[min(int(info.get("generation", 0)), 2)] += 1
             self.seconds += time.perf_counter() - self._started
             self._started = None
+
+    def finish(self) -> dict[str, Any] | None:
+        """Stop watching, thaw the frozen heap (``gc.unfreeze``: the engine's reference cycles can be collected
+        again once it is destroyed, before the probe that may follow in the same process), and :meth:`report`."""
+        self.stop()
+        gc.unfreeze()
+        return self.report()
 
     def report(self) -> dict[str, Any] | None:
         """The rank report's ``gc_pauses``: ``{"collections": [gen0, gen1, gen2], "seconds": s}`` since the start;

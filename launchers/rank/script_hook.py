@@ -351,7 +351,7 @@ def _report(status: str, **failure: Any) -> dict[str, Any]:
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "build_peak_allocated_bytes": None, "script_parameters": state.init.get("script_parameters"),
         "script_trainable_parameters": state.init.get("script_trainable_parameters"),
-        "tokens_per_step": max(state.tokens) if state.tokens else None, "gc_pauses": state.pauses.report(),
+        "tokens_per_step": max(state.tokens) if state.tokens else None, "gc_pauses": state.pauses.finish(),
         "checkpoint_calls_per_forward": sorted(set(state.forward_calls)), "draws_random": state.draws.drew}
     if status == "ok":
         report.update(_measurements())

@@ -367,7 +367,7 @@ def run(plan: dict[str, Any], out_dir: Path, rank: int) -> dict[str, Any]:
         "construction": construction, "built_partitioned": built_partitioned,
         "losses": losses, "grad_norms": grad_norms, "applied": applied, "loss_scales": loss_scales,
         "step_times_s": step_times, "init_s": init_s, "peak_rss_bytes": _peak_rss_bytes(),
-        "gc_pauses": pauses.report(),  # the measured steps' cyclic collections
+        "gc_pauses": pauses.finish(),  # the measured steps' cyclic collections; the heap thawed
         "draws_random": draws.drew,  # the warm-up's micro-steps drew random numbers (launchers/measure/rng_draws.py)
         **init_peaks,
     }

@@ -127,8 +127,9 @@ def trial_table(data: dict[str, Any]) -> str:
         f"   step time {data['step_time_s']:.4f} s (median of measured steps, slowest rank); "
         f"{data['tokens_per_s']:,.0f} tokens/s; init {data['init_s'] or 0:.2f} s (construction + initialize, "
         "slowest rank)",
-        *([f"   cyclic GC in the measured steps: {data['gc_pause_s']:.3f} s, {data['gc_full_collections']} full "
-           "collection(s) (slowest rank; the warm-up's heap settled first)"] if data["gc_pause_s"] is not None else []),
+        *([f"   cyclic GC from the first measured step on: {data['gc_pause_s']:.3f} s, {data['gc_full_collections']}"
+           " full collection(s) (the most of any rank; the warm-up's heap settled first)"]
+          if data["gc_pause_s"] is not None else []),
         "3. loss and gradient sanity",
         "   losses: " + ", ".join(f"{x:.5f}" for x in data["losses"]),
         "   grad norms: " + ", ".join("-" if g is None else f"{g:.4f}" for g in data["grad_norms"]),

@@ -364,14 +364,23 @@ def _device(rank_reports: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
     return {"device_name": named.get("device_name"), "device_total_bytes": named.get("device_total_bytes")}
 
 
+def _gc_pauses(report: Any) -> dict[str, Any]:
+    """A rank report's ``gc_pauses`` (``{"collections": [g0, g1, g2], "seconds": s}``) as :class:`RankMeasurement`'s
+    fields; None for a report without it (written before, or no measured step)."""
+    if not isinstance(report, Mapping):
+        return {"gc_pause_s": None, "gc_full_collections": None}
+    counts = report.get("collections")
+    full = counts[2] if isinstance(counts, list) and len(counts) == 3 else None
+    return {"gc_pause_s": report.get("seconds"), "gc_full_collections": full}
+
+
 def _measurements(rank_reports: Mapping[int, Mapping[str, Any]]) -> tuple[RankMeasurement, ...]:
     """Each rank's measurements from its report (ok, or stopped over the budget: what it measured until then)."""
     return tuple(
         RankMeasurement(rank=r, peak_allocated_bytes=rep["peak_allocated_bytes"],
                         peak_reserved_bytes=rep["peak_reserved_bytes"], peak_rss_bytes=rep["peak_rss_bytes"],
                         step_times_s=tuple(rep["step_times_s"]), init_s=rep.get("init_s"),
-                        gc_pause_s=(rep.get("gc_pauses") or {}).get("seconds"),
-                        gc_full_collections=((rep.get("gc_pauses") or {}).get("collections") or [None] * 3)[2],
+                        **_gc_pauses(rep.get("gc_pauses")),
                         init_peak_allocated_bytes=rep.get("init_peak_allocated_bytes"),
                         init_peak_reserved_bytes=rep.get("init_peak_reserved_bytes"),
                         build_peak_allocated_bytes=rep.get("build_peak_allocated_bytes"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 
@@ -42,15 +43,34 @@ def test_a_watch_counts_each_collection_by_generation_and_times_it():
     assert pauses._callback not in gc.callbacks
 
 
-def test_settling_freezes_the_long_lived_heap_and_frees_its_garbage(thawed):
+def test_settling_frees_the_warm_up_s_garbage_and_freezes_the_long_lived_heap(thawed):
     kept = [[] for _ in range(50_000)]  # long-lived, tracked: a loaded library's objects
-    for _ in range(1_000):
-        _Node()  # cyclic garbage the warm-up left
-    before = gc.get_freeze_count()
-    settle_heap()
+    gc.disable()  # no collection but the settle's
+    try:
+        garbage = [weakref.ref(_Node()) for _ in range(1_000)]  # cyclic garbage the warm-up left
+        assert all(ref() is not None for ref in garbage)
+        before = gc.get_freeze_count()
+        settle_heap()
+    finally:
+        gc.enable()
+    assert all(ref() is None for ref in garbage)  # collected, not frozen with the rest
     assert gc.get_freeze_count() >= before + len(kept)
-    assert not any(isinstance(o, _Node) for o in gc.get_objects())  # collected before the freeze
     # A full collection after the settle no longer walks the frozen heap: what generation 2 holds is small.
     assert len(gc.get_objects(generation=2)) < len(kept) // 10
     del kept
 
+
+def test_finishing_thaws_the_heap_so_that_the_destroyed_engine_s_cycles_are_collected(thawed):
+    pauses = GcPauses()
+    engine = _Node()  # an engine held in a reference cycle (ZeRO-3's hooks hold theirs so)
+    ref = weakref.ref(engine)
+    pauses.settle_and_start()
+    assert pauses.watching and gc.get_freeze_count() > 0
+    del engine
+    gc.collect()
+    assert ref() is not None  # frozen: no collection sees it
+    report = pauses.finish()
+    assert not pauses.watching and gc.get_freeze_count() == 0
+    assert report is not None and len(report["collections"]) == 3
+    gc.collect()
+    assert ref() is None
