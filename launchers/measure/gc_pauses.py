@@ -42,6 +42,8 @@ class GcPauses:
     counts: list[int] = field(default_factory=lambda: [0, 0, 0])
     seconds: float = 0.0
     watching: bool = False
+    started: bool = False
+    """Whether it ever watched (the measured steps began)."""
     _started: float | None = None
 
     def settle_and_start(self) -> None:
@@ -53,7 +55,7 @@ class GcPauses:
         """Watch every collection from now on (idempotent)."""
         if not self.watching:
             gc.callbacks.append(self._callback)
-            self.watching = True
+            self.watching = self.started = True
 
     def stop(self) -> None:
         """Watch no more (idempotent); the counts stay."""
@@ -79,6 +81,6 @@ class GcPauses:
     def report(self) -> dict[str, Any] | None:
         """The rank report's ``gc_pauses``: ``{"collections": [gen0, gen1, gen2], "seconds": s}`` since the start;
         None if it never started (no measured step)."""
-        if not self.watching and not any(self.counts):
+        if not self.started:
             return None
         return {"collections": list(self.counts), "seconds": self.seconds}

@@ -5,9 +5,9 @@
 ``get_compiler_fn``). Libraries that decorate kernels with it pay those imports whenever they are imported:
 
 * bitsandbytes 0.50 (``backends/default/ops.py:12-35`` ``_try_torch_compile``, on ``_dequantize_blockwise_compute``
-  and the 4-bit kernels), which PEFT imports whenever it is installed (``peft/helpers.py:27-30``), so every
-  ``import peft`` — a LoRA plan with no quantization too — imported the compiler: ~1.5 s of a 7B LoRA plan's ~13 s
-  on 2 CPU cores (py-spy, docs/benchmarks.md "Where a plan's seconds go");
+  and the 4-bit kernels), which PEFT 0.21 imports whenever it is installed (``peft/helpers.py:27-30``; 0.22 no
+  longer does), so with it every ``import peft`` — a LoRA plan with no quantization too — imported the compiler:
+  ~1.5 s of a 7B LoRA plan's ~13 s on 2 CPU cores (py-spy, docs/benchmarks.md "Where a plan's seconds go");
 * DeepSpeed 0.19.8's Muon kernels (:mod:`launchers.process.lazy_compile`).
 
 :func:`import_deferring_compile` imports a module with ``torch.compile`` standing as :func:`compiled_on_first_call`,

@@ -32,13 +32,14 @@ from typing import Any
 
 from launchers.ops.build_locks import node_lock
 from launchers.trace.cache_dir import cache_dir, source_digest
+from launchers.trace.inventory import adapted_inventory
 from launchers.trace.json_cache import KeyedJsonStore
 from launchers.trial.local import build_launch_plan, execute, extensions_dir, free_port, log_tail
 from launchers.trial.node_share import read_cpu_allowance
 from launchers.trial.run import PACKAGE_ROOT, rank_plan
 from optimizer.deepspeed.versions import installed_versions
 from optimizer.perf.probe_plan import ProbePlan, probe_plan
-from optimizer.perf.skeleton import SKELETON_MICRO_STEPS, SKELETON_TOKENS, skeleton_model
+from optimizer.perf.skeleton import SKELETON_MICRO_STEPS, SKELETON_TOKENS, skeleton_bucket_elements, skeleton_model
 from optimizer.study.knobs import Candidate, FullCheckpointing, Precision, ZeroStage
 from optimizer.study.machine_probe import PROBE_FORMAT, MachineProbe, ProbeFigure
 from optimizer.study.specs import Accelerator, baseline_candidate
@@ -99,10 +100,15 @@ def engine_plans(spec: StudySpec, plan: ProbePlan) -> list[dict[str, Any]]:
     small = replace(spec, model=skeleton, hardware=hardware, training=training,
                     trial=replace(spec.trial, command=None))
     base = replace(baseline_candidate(training), precision=Precision(plan.engine_precision))
+    bucket = skeleton_bucket_elements(model=spec.model, skeleton=adapted_inventory(small).model)
 
     def engine(candidate: Candidate) -> dict[str, Any]:
-        return {"stage": int(candidate.zero_stage), "precision": str(candidate.precision),
-                **rank_plan(study=small, candidate=candidate)}
+        planned = rank_plan(study=small, candidate=candidate)
+        zero = planned["config"].get("zero_optimization", {})
+        for key in ("reduce_bucket_size", "allgather_bucket_size"):  # as many buckets as the study's, what trains
+            if bucket is not None and key in zero:                   # being PEFT's (optimizer/perf/skeleton.py)
+                zero[key] = bucket
+        return {"stage": int(candidate.zero_stage), "precision": str(candidate.precision), **planned}
 
     engines = [engine(replace(base, zero_stage=ZeroStage(stage))) for stage in plan.engine_stages]
     if plan.engine_recompute:  # the lowest stage again, every block checkpointed: recomputation's own cost

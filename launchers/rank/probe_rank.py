@@ -243,10 +243,14 @@ def engine_rounds(timer: Timer, engine: dict[str, Any], *, device: Any) -> tuple
     for _ in range(config["gradient_accumulation_steps"]):
         micro_step()
     accumulating, stepping = [], []
-    for _ in range(ENGINE_ROUNDS):
-        dist.barrier()
-        accumulating.append(timer.once(micro_step, 1))
-        stepping.append(timer.once(micro_step, 1))
+    gc.freeze()  # the heap so far out of any collection in the rounds: a full one (~0.2 s) is a trial's warm-up's
+    try:  # cost, not a micro-step's (launchers/measure/gc_pauses.py); no collect here: ~0.1 s per engine
+        for _ in range(ENGINE_ROUNDS):
+            dist.barrier()
+            accumulating.append(timer.once(micro_step, 1))
+            stepping.append(timer.once(micro_step, 1))
+    finally:
+        gc.unfreeze()  # the engine's cycles collectable again (the CUDA branch frees them before the next engine)
     return accumulating, stepping
 
 

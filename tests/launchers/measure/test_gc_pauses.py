@@ -74,3 +74,10 @@ def test_finishing_thaws_the_heap_so_that_the_destroyed_engine_s_cycles_are_coll
     assert report is not None and len(report["collections"]) == 3
     gc.collect()
     assert ref() is None
+
+
+def test_a_watch_that_saw_no_collection_still_reports_its_zeros():
+    pauses = GcPauses()
+    pauses.start()
+    report = pauses.finish()  # no collection ran between: counted, not "not recorded"
+    assert report is not None and report["seconds"] >= 0

@@ -80,16 +80,18 @@ def test_peft_and_bitsandbytes_import_without_torchs_compiler_and_dequantize_as_
         import_deferring_compile(LIBRARY) if DEFER else __import__(LIBRARY)
         inductor = "torch._inductor.compile_fx" in sys.modules  # torch.compile's backend (transformers' masking
         # utilities import torch._dynamo, which imports the package torch._inductor itself)
+        eager = "bitsandbytes" in sys.modules  # PEFT 0.21 imports it with itself (peft/helpers.py), 0.22 does not
         import bitsandbytes.functional as F
         torch.manual_seed(0)
         weight = torch.randn(64, 64, dtype=torch.bfloat16)
         packed, state = F.quantize_4bit(weight, blocksize=64, quant_type="nf4")
         back = F.dequantize_4bit(packed, state)  # bitsandbytes' compiled dequantization, on CPU
         err = float((back - weight).abs().max())
-        print(json.dumps({"inductor": inductor, "sum": float(back.float().sum()), "err": err}))
+        print(json.dumps({"inductor": inductor, "eager": eager, "sum": float(back.float().sum()), "err": err}))
         """.replace("LIBRARY", repr(library))
     control = _fresh(code.replace("DEFER", "False"))
-    assert control["inductor"]  # bitsandbytes' decorators import the compiler as they are
+    assert control["inductor"] or not control["eager"]  # bitsandbytes' decorators import the compiler as they are
+    assert control["eager"] or library == "peft"  # importing bitsandbytes imports it
     deferred = _fresh(code.replace("DEFER", "True"))
     assert not deferred["inductor"]
     assert deferred["sum"] == control["sum"] and deferred["err"] == control["err"] < 0.5

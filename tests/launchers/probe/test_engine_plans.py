@@ -1,0 +1,66 @@
+"""The probe's engines run on the study's skeleton with as many ZeRO gradient buckets per pass as the study's own
+run, also where only PEFT's adapters or part of the model train (launchers/probe/machine.py ``engine_plans``,
+optimizer/perf/skeleton.py ``skeleton_bucket_elements``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from launchers.probe.machine import engine_plans
+from launchers.trace.inventory import adapted_inventory
+from optimizer.deepspeed.zero_settings import zero_settings
+from optimizer.ledger.transformer import trainable_tensors
+from optimizer.perf.probe_plan import probe_plan
+from optimizer.perf.skeleton import skeleton_model
+from optimizer.study.knobs import ZeroStage
+from optimizer.study.study_file import load_study
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def flushes(sizes: list[int], bucket: int) -> int:
+    """Bucket reductions of one gradient pass: DeepSpeed takes the gradients in backward order and reduces the bucket
+    when the next would overflow it, then the rest at the end (stage_1_and_2.py
+    ``reduce_independent_p_g_buckets_and_remove_grads``)."""
+    count = filled = 0
+    for size in reversed(sizes):
+        if filled and filled + size > bucket:
+            count, filled = count + 1, 0
+        filled += size
+    return count + (filled > 0)
+
+
+def _plans(name: str):
+    spec = adapted_inventory(load_study(ROOT / "studies" / f"{name}.yaml"))
+    plan = probe_plan(spec)
+    skeleton = adapted_inventory(replace(spec, model=skeleton_model(spec.model))).model
+    return spec, skeleton, engine_plans(spec, plan)
+
+
+@pytest.mark.parametrize("name", ["grid-lora-gpt2-cpu", "grid-lora-llama-cpu", "grid-qlora-llama-cpu"])
+def test_a_peft_skeleton_reduces_as_many_buckets_as_the_study(name):
+    spec, skeleton, engines = _plans(name)
+    study_bucket = zero_settings(model=spec.model, stage=ZeroStage.GRADIENTS).reduce_bucket_elements
+    study_sizes = [t.numel for t in trainable_tensors(spec.model)]
+    skeleton_sizes = [t.numel for t in trainable_tensors(skeleton)]
+    assert len(skeleton_sizes) == len(study_sizes)  # the same adapters, narrower
+    wanted = flushes(study_sizes, study_bucket)
+    staged = [e for e in engines if e["stage"] in (1, 2)]
+    assert staged
+    for engine in staged:
+        zero = engine["config"]["zero_optimization"]
+        assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"]
+        assert zero["reduce_bucket_size"] % 4 == 0
+        assert flushes(skeleton_sizes, zero["reduce_bucket_size"]) == wanted
+    # dsopt's h² rule at the skeleton's width would have split the adapters' gradients into more buckets
+    squared = zero_settings(model=skeleton, stage=ZeroStage.GRADIENTS).reduce_bucket_elements
+    assert flushes(skeleton_sizes, squared) > wanted
+
+
+def test_a_full_fine_tune_s_skeleton_keeps_dsopt_s_own_bucket():
+    _, skeleton, engines = _plans("grid-cpu")
+    squared = zero_settings(model=skeleton, stage=ZeroStage.GRADIENTS).reduce_bucket_elements
+    assert all(e["config"]["zero_optimization"]["reduce_bucket_size"] == squared for e in engines)
