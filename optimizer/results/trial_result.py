@@ -265,6 +265,11 @@ class TrialResult:
         return self._rank_max("gc_pause_s")
 
     @property
+    def gc_full_collections(self) -> int | None:
+        """The most full (generation-2) collections a rank ran in its measured steps (None: not recorded)."""
+        return self._rank_max("gc_full_collections")  # type: ignore[return-value]
+
+    @property
     def peak_rss_bytes(self) -> int | None:
         """Max over ranks of the process peak RSS."""
         return self._rank_max("peak_rss_bytes")  # type: ignore[return-value]
