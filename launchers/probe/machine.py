@@ -44,6 +44,7 @@ from optimizer.study.knobs import Candidate, FullCheckpointing, Precision, ZeroS
 from optimizer.study.machine_probe import PROBE_FORMAT, MachineProbe, ProbeFigure
 from optimizer.study.specs import Accelerator, baseline_candidate
 from optimizer.study.study_file import StudySpec
+from optimizer.study.trial_settings import TrialSettings
 
 PROBE_TIMEOUT_S = 180.0
 """Longest a probe's launch may run (s): its operations take seconds once the ops are built (the study builds them
@@ -97,8 +98,8 @@ def engine_plans(spec: StudySpec, plan: ProbePlan) -> list[dict[str, Any]]:
     hardware = replace(spec.hardware, nodes=1)
     training = replace(spec.training, sequence_length=SKELETON_TOKENS, micro_batch_size=1,
                        global_batch_size=SKELETON_MICRO_STEPS * hardware.world_size)
-    small = replace(spec, model=skeleton, hardware=hardware, training=training,
-                    trial=replace(spec.trial, command=None))
+    small = replace(spec, model=skeleton, hardware=hardware, training=training,  # the study's seed; not its steps:
+                    trial=TrialSettings(seed=spec.trial.seed))  # the rounds are the probe's (one cache key for them)
     base = replace(baseline_candidate(training), precision=Precision(plan.engine_precision))
     bucket = skeleton_bucket_elements(model=spec.model, skeleton=adapted_inventory(small).model)
 

@@ -50,6 +50,8 @@ def trial_json(*, result: TrialResult, ledger: Ledger | None, tolerance: float, 
         "gc_pause_s": result.gc_pause_s,
         "gc_full_collections": result.gc_full_collections,
         "step_time_s": result.step_time_s,
+        "step_time_range_s": None if (spread := result.step_time_range_s) is None else list(spread),
+        "measured_steps": len(result.ranks[0].step_times_s) if result.ranks else 0,
         "tokens_per_s": result.tokens_per_s,
         "losses": list(result.losses),
         "grad_norms": list(result.grad_norms),
@@ -123,7 +125,9 @@ def trial_table(data: dict[str, Any]) -> str:
         f"{_mb(data['training_peak_reserved_bytes'])}), predicted {_mb(data['predicted_training_bytes'])}",
         *device_lines(data),
         "2. speed",
-        f"   step time {data['step_time_s']:.4f} s (median of measured steps, slowest rank); "
+        f"   step time {data['step_time_s']:.4f} s (median of {data.get('measured_steps', '')} measured steps, "
+        "slowest rank" + ("" if data.get("step_time_range_s") is None else
+           f"; fastest {data['step_time_range_s'][0]:.4f} s, slowest {data['step_time_range_s'][1]:.4f} s") + "); "
         f"{data['tokens_per_s']:,.0f} tokens/s; init {data['init_s'] or 0:.2f} s (construction + initialize, "
         "slowest rank)",
         *([f"   cyclic GC from the first measured step on: {data['gc_pause_s']:.3f} s, {data['gc_full_collections']}"

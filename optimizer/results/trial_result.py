@@ -260,6 +260,13 @@ class TrialResult:
         return self._rank_max("init_s")
 
     @property
+    def step_time_range_s(self) -> tuple[float, float] | None:
+        """The fastest and the slowest measured step (each step: its slowest rank) — the spread that
+        :attr:`step_time_s`, their median, hides (None: no measured step)."""
+        per_step = [max(times) for times in zip(*(r.step_times_s for r in self.ranks), strict=True)]
+        return (min(per_step), max(per_step)) if per_step else None
+
+    @property
     def gc_pause_s(self) -> float | None:
         """The most seconds a rank spent in cyclic collections in its measured steps (None: not recorded)."""
         return self._rank_max("gc_pause_s")

@@ -42,6 +42,10 @@ def test_cache_key_is_the_plan_and_the_machine(monkeypatch):
     demo = load_study(ROOT / "studies" / "demo-cpu.yaml")
     plan = probe_plan(study)
     assert cache_key(study, plan) == cache_key(demo, probe_plan(demo))  # the same shapes and space: one probe
+    longer = replace(demo, trial=replace(demo.trial, warmup_steps=4, measured_steps=15))  # the engine rounds are
+    assert cache_key(longer, probe_plan(longer)) == cache_key(demo, probe_plan(demo))     # the probe's, not these
+    reseeded = replace(demo, trial=replace(demo.trial, seed=1))  # the skeleton's weights and batch: its own probe
+    assert cache_key(reseeded, probe_plan(reseeded)) != cache_key(demo, probe_plan(demo))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     big = load_study(ROOT / "studies" / "llama-7b-8xh100.yaml")
     assert cache_key(big, probe_plan(big)) != cache_key(study, plan)

@@ -188,6 +188,7 @@ def test_summarize_ok_takes_the_slowest_rank_and_the_max_peak():
                        log_tail="", wall_s=3.0)
     assert result.outcome is Outcome.OK
     assert result.step_time_s == pytest.approx(0.35)  # median of per-step max over ranks: 0.3, 0.4
+    assert result.step_time_range_s == pytest.approx((0.3, 0.4))  # the spread the median hides
     assert result.tokens_per_s == pytest.approx(1000 / 0.35)
     assert result.peak_memory_bytes == 101
     assert result.loss_fidelity == pytest.approx(0.1 / 1.1)

@@ -139,6 +139,11 @@ def test_run_trial_writes_the_limits_into_the_plan_only(repo_root, tmp_path, mon
                  returncode=0)
     plain = trial.run_trial(study=study, candidate=candidate, trial_dir=tmp_path / "t")
     assert plain.outcome is Outcome.OK and plain.stopped_at is None
+    low, high = plain.step_time_range_s
+    assert low <= plain.step_time_s <= high
+    table = trial_table(trial_json(result=plain, ledger=None, tolerance=1e-4, trial_dir="t", study="cpu-tiny"))
+    assert f"median of {len(plain.ranks[0].step_times_s)} measured steps" in table  # and the spread it hides
+    assert f"fastest {low:.4f} s, slowest {high:.4f} s" in table
     assert "stop_above" not in json.loads((tmp_path / "t" / "plan.json").read_text())
 
 
