@@ -151,7 +151,7 @@ def main() -> int:
             "init_peak_bytes": result.init_peak_memory_bytes, "predicted_device_bytes": device,
             "predicted_host_bytes": per_rank - device, "predicted_needed_bytes": ledger.gpu_needed_bytes,
             "ledger_fits": verdict.fits, "tokens_per_s": result.tokens_per_s, "step_time_s": result.step_time_s,
-            "step_time_range_s": None if (spread := result.step_time_range_s) is None else list(spread),
+            "step_time_range_s": result.step_time_range_s,
             "loss_fidelity": result.loss_fidelity, "wall_s": round(time.monotonic() - start, 2),
         }
         data["candidates"].append(entry)
