@@ -38,11 +38,12 @@ from launchers.trial.local import build_launch_plan, execute, extensions_dir, fr
 from launchers.trial.node_share import read_cpu_allowance
 from launchers.trial.run import PACKAGE_ROOT, rank_plan
 from optimizer.deepspeed.versions import installed_versions
+from optimizer.perf.model_pass import depth_model, intercept_tokens, pass_terms
 from optimizer.perf.probe_plan import ProbePlan, probe_plan
 from optimizer.perf.skeleton import SKELETON_MICRO_STEPS, SKELETON_TOKENS, skeleton_bucket_elements, skeleton_model
 from optimizer.study.knobs import Candidate, FullCheckpointing, Precision, ZeroStage
-from optimizer.study.machine_probe import PROBE_FORMAT, MachineProbe, ProbeFigure
-from optimizer.study.specs import Accelerator, baseline_candidate
+from optimizer.study.machine_probe import PASS_INTERCEPT, PROBE_FORMAT, MachineProbe, ProbeFigure
+from optimizer.study.specs import Accelerator, ModelInit, baseline_candidate
 from optimizer.study.study_file import StudySpec
 from optimizer.study.trial_settings import TrialSettings
 
@@ -54,8 +55,8 @@ SWITCH_VAR = "DSOPT_PROBE"
 suite sets it but for the tests of the probe, so that a probe is paid where it is tested."""
 LOCK_NAME = "dsopt-probe.lock"
 """The node lock's file, in ``TORCH_EXTENSIONS_DIR`` (beside the ops' lock, :mod:`launchers.study.op_prep`)."""
-CODE = ("launchers.rank.probe_rank", "optimizer.perf.probe_plan", "optimizer.perf.skeleton",
-        "optimizer.study.machine_probe")
+CODE = ("launchers.rank.probe_rank", "launchers.rank.probe_pass", "optimizer.perf.probe_plan",
+        "optimizer.perf.skeleton", "optimizer.perf.model_pass", "optimizer.study.machine_probe")
 """The modules whose source is in the cache key: an edit to what is timed or how probes again."""
 
 
@@ -121,9 +122,41 @@ def engine_plans(spec: StudySpec, plan: ProbePlan) -> list[dict[str, Any]]:
     return engines
 
 
+def pass_plans(spec: StudySpec, plan: ProbePlan) -> list[dict[str, Any]]:
+    """For each precision of ``plan``, what a trial's ranks would be told for the study's model at ZeRO-0 in that
+    precision, ``plan.pass_layers`` blocks deep (:func:`optimizer.perf.model_pass.depth_model`, its inventory traced
+    again), and the passes to time on it (:mod:`optimizer.perf.model_pass`): each micro-batch of the space at the
+    study's sequence length, and the intercept on one sample of a few tokens
+    (:func:`optimizer.perf.model_pass.intercept_tokens`) — each with its rows and the time model's count of its
+    work (:func:`optimizer.perf.model_pass.pass_terms`). Empty where ``plan`` times no pass."""
+    if not plan.pass_layers:
+        return []
+    hardware = replace(spec.hardware, nodes=1)
+    built = spec.training.model_init  # at ZeRO-0, where zero.Init (stage 3 only) builds on the device instead
+    training = replace(spec.training, model_init=ModelInit.DEVICE if built is ModelInit.ZERO_INIT else built)
+    short = adapted_inventory(replace(spec, model=depth_model(spec.model, plan.pass_layers), hardware=hardware,
+                                      training=training, trial=TrialSettings(seed=spec.trial.seed)))
+    model, base = short.model, baseline_candidate(short.training)
+    plans = []
+    for precision in plan.precisions:
+        candidate = replace(base, precision=Precision(precision))
+
+        def one(micro_batch: int, tokens: int, variant: str = "", c: Candidate = candidate) -> dict[str, Any]:
+            terms = pass_terms(candidate=c, model=model, hardware=hardware, training=short.training,
+                               micro_batch=micro_batch, tokens=tokens)
+            return {"micro_batch": 0 if variant else micro_batch, "variant": variant, "rows": model.rows(micro_batch),
+                    "tokens": tokens, "terms": [list(term) for term in terms]}
+
+        passes = [one(b, short.training.sequence_length) for b in plan.micro_batches]
+        passes.append(one(1, intercept_tokens(short.training.sequence_length), PASS_INTERCEPT))
+        plans.append({"precision": precision, **rank_plan(study=short, candidate=candidate), "passes": passes})
+    return plans
+
+
 def rank_input(spec: StudySpec, plan: ProbePlan) -> dict[str, Any]:
-    """What the probe's ranks read: ``plan`` and the engines' plans (:func:`engine_plans`)."""
-    return {**plan.to_json(), "engines": engine_plans(spec, plan)}
+    """What the probe's ranks read: ``plan``, the engines' plans (:func:`engine_plans`) and the model passes'
+    (:func:`pass_plans`)."""
+    return {**plan.to_json(), "engines": engine_plans(spec, plan), "passes": pass_plans(spec, plan)}
 
 
 def cache_key(spec: StudySpec, plan: ProbePlan, *, gpus: Sequence[str] | None = None) -> str:
@@ -140,12 +173,14 @@ def store() -> KeyedJsonStore:
 def merge(reports: list[dict[str, Any]], *, plan: ProbePlan, machine: str) -> MachineProbe:
     """One :class:`MachineProbe` from the ranks' reports (module doc)."""
     rounds: dict[tuple[str, str, int, str, float], list[list[float]]] = {}
+    terms: dict[tuple[str, str, int, str, float], tuple[tuple[str, float], ...]] = {}
     skipped: dict[str, str] = {}
     for report in reports:
         for figure in report["figures"]:
             key = (figure["kind"], figure.get("precision", ""), int(figure.get("micro_batch", 0)),
                    figure.get("variant", ""), float(figure["work"]))
             rounds.setdefault(key, []).append([float(s) for s in figure["rounds_s"]])
+            terms[key] = tuple((str(name), float(amount)) for name, amount in figure.get("terms", ()))
         for entry in report["skipped"]:
             skipped.setdefault(entry["what"], entry["why"])
     if plan.engine_skipped:
@@ -157,7 +192,8 @@ def merge(reports: list[dict[str, Any]], *, plan: ProbePlan, machine: str) -> Ma
         low = max(min(every), 1e-12)
         figures.append(ProbeFigure(kind=kind, precision=precision, micro_batch=micro_batch, variant=variant,
                                    work=work, median_s=max(max(medians), low), low_s=low,
-                                   high_s=max(max(every), max(medians)), repeats=min(len(r) for r in per_rank)))
+                                   high_s=max(max(every), max(medians)), repeats=min(len(r) for r in per_rank),
+                                   terms=terms[(kind, precision, micro_batch, variant, work)]))
     return MachineProbe(machine=machine, measured_at=datetime.now(UTC).isoformat(timespec="seconds"),
                         ranks=plan.ranks, seconds=max(float(r["seconds"]) for r in reports), figures=tuple(figures),
                         skipped=tuple(sorted(skipped.items())))

@@ -10,9 +10,10 @@ waits on a call the others never make). A CUDA round is timed with CUDA events a
 with ``time.perf_counter``. The collectives go through ``deepspeed.comm`` — DeepSpeed's own backend choice, as the
 engine's collectives do (gloo, or its shared-memory all-reduce on CPU ranks; NCCL on GPUs). Last, DeepSpeed's engine
 itself at each ZeRO stage of the space, in each precision of the space, on the study's model at a tiny width
-(:func:`engine_rounds`). Rank k writes ``rank<k>.json`` (``probe_rank<k>.json`` where the probe ends a trial's launch,
-:func:`after_trial`): per figure its kind, precision, micro-batch, variant, work and seconds per run of each round; an
-operation the machine cannot run is written as skipped with the reason, never a crash of the probe.
+(:func:`engine_rounds`), after the study's model's own forward and backward at its width
+(:mod:`launchers.rank.probe_pass`). Rank k writes ``rank<k>.json`` (``probe_rank<k>.json`` where the probe ends a
+trial's launch, :func:`after_trial`): per figure its kind, precision, micro-batch, variant, work and seconds per run of
+each round; an operation the machine cannot run is written as skipped with the reason, never a crash of the probe.
 """
 
 from __future__ import annotations
@@ -259,6 +260,8 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
     import deepspeed.comm as dist
     import torch
 
+    from launchers.rank.probe_pass import pass_figures
+
     cuda = plan["accelerator"] == "cuda"
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
@@ -319,6 +322,13 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
                                                         write=write)})
             except OSError as err:
                 skipped.append({"what": kind, "why": f"{plan['nvme_path']}: {err.strerror or err}"})
+    for model_pass in plan.get("passes", ()):  # the model's own forward and backward (launchers/rank/probe_pass.py)
+        dist.barrier()
+        try:
+            figures += pass_figures(timer.rounds, model_pass, device=device)
+        except Exception as err:  # a pass that does not fit or run here is a finding: the GEMM figures stand alone
+            skipped.append({"what": f"model pass {model_pass['precision']}",
+                            "why": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"})
     for engine in plan.get("engines", ()):
         checkpointed = "" if engine["checkpointing"] == "none" else f" ckpt={engine['checkpointing']}"
         variant = f"z{engine['stage']}{checkpointed}"

@@ -13,8 +13,10 @@ from optimizer.study.specs import Precision
 from optimizer.study.study_file import StudySpec, load_study
 
 UNITS = {"gemm": ("TFLOP/s", 1e12), "attention": ("TFLOP/s", 1e12), "device_adam": ("Mparams/s", 1e6),
-         "host_adam": ("Mparams/s", 1e6), "engine_micro": ("micro-steps/s", 1.0), "engine_step": ("micro-steps/s", 1.0)}
-"""How a figure's rate prints (the rest: GB/s, 10^9 bytes per second)."""
+         "host_adam": ("Mparams/s", 1e6), "engine_micro": ("micro-steps/s", 1.0), "engine_step": ("micro-steps/s", 1.0),
+         "pass": ("TFLOP/s", 1e12)}
+"""How a figure's rate prints (the rest: GB/s, 10^9 bytes per second); a model pass in the FLOPs the time model counts
+for it."""
 
 
 def datasheet(study: StudySpec, figure: ProbeFigure) -> str:

@@ -77,7 +77,8 @@ def fit_rates(samples: Sequence[TimeSample], *, prior: Rates) -> Rates:
         seconds[k] = float(u[j] * t_ref / scale[k])
     return Rates(seconds_per=tuple(seconds), source=f"calibrated on {len(samples)} trial(s)", overlap_z3=False,
                  flop_factors=prior.flop_factors, step_shares=prior.step_shares,
-                 recompute_shares=prior.recompute_shares, engine_factors=prior.engine_factors)
+                 recompute_shares=prior.recompute_shares, engine_factors=prior.engine_factors,
+                 pass_factors=prior.pass_factors)
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:

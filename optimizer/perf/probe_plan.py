@@ -24,6 +24,9 @@ probe answers for *this* model on *this* machine, not for a datasheet's ideal GE
   bucket-sized call on CPU ranks is mostly its latency (gloo: ~1 ms for 8 kB, which priced per byte would make
   ZeRO-0's one all-reduce 20× too slow).
 * **NVMe**: write and read at ``hardware.nvme_path`` where the space offloads to NVMe.
+* **the model's own pass**: its forward and backward with autograd alone, at most :data:`PASS_LAYERS` blocks deep at its
+  own width, in each precision at each micro-batch and once on one row of a few tokens
+  (:mod:`optimizer.perf.model_pass`): the per-token work the FLOPs above leave out (norms, activations, adapters).
 * **DeepSpeed's engine**: one micro-step that accumulates and one that steps the optimizer, at each ZeRO stage of the
   space, in each precision of the space (:attr:`ProbePlan.engine_others`), on the study's model at a tiny width
   (:mod:`optimizer.perf.skeleton`): DeepSpeed's own cost per micro-step and per optimizer step — hooks, buckets, each
@@ -54,6 +57,8 @@ MAX_ELEMENTS_CPU = 1 << 22
 """The same on CPU ranks, which share the host with everything else."""
 NVME_PROBE_BYTES = 64 << 20
 """Bytes written to and read from the NVMe folder."""
+PASS_LAYERS = 2
+"""Most blocks of the model's timed pass (:mod:`optimizer.perf.model_pass`)."""
 WIDE_BYTES = 16 << 20
 """A collective wide enough that its time is mostly bandwidth: with the bucket-sized one it separates the latency α
 of a call from the seconds per byte β (Hockney's t = α + n·β; :func:`collective_beta`)."""
@@ -117,6 +122,9 @@ class ProbePlan:
     ~15 ms for 2 tiny blocks, far more than the recomputed FLOPs)."""
     engine_skipped: str = ""
     """Why no engine is timed (the model cannot be shrunk, :func:`optimizer.perf.skeleton.skeleton_model`)."""
+    pass_layers: int = 0
+    """Blocks of the model's own pass timed at each precision and micro-batch (:mod:`optimizer.perf.model_pass`;
+    0: none, a model built by the study's own code)."""
 
     def gemm_flops(self, micro_batch: int) -> float:
         """FLOPs of the GEMMs of one micro-step's forward + backward, as the time model counts them (module doc)."""
@@ -143,6 +151,7 @@ class ProbePlan:
                 "engine_stages": list(self.engine_stages), "engine_precision": self.engine_precision,
                 "engine_others": list(self.engine_others),
                 "engine_skipped": self.engine_skipped, "engine_recompute": self.engine_recompute,
+                "pass_layers": self.pass_layers,
                 "gemm_flops": {str(b): self.gemm_flops(b) for b in self.micro_batches},
                 "attention_flops": {str(b): self.attention_flops(b) for b in self.micro_batches}}
 
@@ -207,7 +216,8 @@ def probe_plan(spec: StudySpec) -> ProbePlan:
         engine_precision=(main := (half or list(precisions) or [Precision.FP32.value])[0]),
         engine_others=() if isinstance(skeleton, str) else tuple(p for p in precisions if p != main),
         engine_skipped=skeleton if isinstance(skeleton, str) else "",
-        engine_recompute=any(isinstance(c.checkpointing, (FullCheckpointing, EveryKCheckpointing)) for c in candidates))
+        engine_recompute=any(isinstance(c.checkpointing, (FullCheckpointing, EveryKCheckpointing)) for c in candidates),
+        pass_layers=0 if model.entry_point is not None else min(model.layers, PASS_LAYERS))
 
 
 def compute_rate(probe: MachineProbe, *, precision: str, micro_batch: int) -> float | None:

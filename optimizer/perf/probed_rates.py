@@ -10,7 +10,7 @@ from __future__ import annotations
 from optimizer.perf.probe_plan import collective_beta, compute_rate
 from optimizer.perf.rates import FEATURES, Rates
 from optimizer.study.knobs import Precision, ZeroStage
-from optimizer.study.machine_probe import MachineProbe, ProbeFigure
+from optimizer.study.machine_probe import PASS_INTERCEPT, MachineProbe, ProbeFigure
 from optimizer.study.specs import HardwareSpec
 
 
@@ -24,7 +24,8 @@ def probed_rates(rates: Rates, *, hardware: HardwareSpec, probe: MachineProbe) -
     step; per byte of NVMe (write and read together) and of device memory (QLoRA's dequantization); per micro-step of
     DeepSpeed's engine at each ZeRO stage, its optimizer step's extra as :attr:`Rates.step_shares` and recomputation's
     as :attr:`Rates.recompute_shares` (the skeleton's micro-steps, :mod:`optimizer.perf.skeleton`), in the space's
-    16-bit precision where it has one, the other precisions' engines as :attr:`Rates.engine_factors`. ``source`` names
+    16-bit precision where it has one, the other precisions' engines as :attr:`Rates.engine_factors`; the model's own
+    pass at each precision and micro-batch as :attr:`Rates.pass_factors` (:func:`pass_factors`). ``source`` names
     which figures came from where. Multi-node studies keep the profile's link: the probe times one node's ranks."""
     seconds = list(rates.seconds_per)
     probed: list[str] = []
@@ -90,6 +91,9 @@ def probed_rates(rates: Rates, *, hardware: HardwareSpec, probe: MachineProbe) -
         if plain:
             extra = max(0.0, figure.median_s - plain)
             recompute = [(z, extra / per_micro) for z, per_micro in micro_s.items()]
+    whole = pass_factors(probe, seconds=seconds, flop_factors=factors, half=half.value)
+    if whole:  # named beside the figures it scales: "flops_16bit, …, model pass"
+        probed.append("model pass")
     if not probed:
         return rates
     kept = [n for n, v in zip(FEATURES, seconds, strict=True) if n not in probed and v is not None]
@@ -98,7 +102,44 @@ def probed_rates(rates: Rates, *, hardware: HardwareSpec, probe: MachineProbe) -
         source += f"; {rates.source} ({', '.join(kept)})"
     return Rates(seconds_per=tuple(seconds), source=source, overlap_z3=rates.overlap_z3,
                  flop_factors=tuple(sorted(factors)), step_shares=tuple(shares), recompute_shares=tuple(recompute),
-                 engine_factors=tuple(others))
+                 engine_factors=tuple(others), pass_factors=whole)
+
+
+def priced(figure: ProbeFigure, *, seconds: list[float | None], flop_factors: list[tuple[str, int, float]],
+           half: str) -> float | None:
+    """Seconds ``seconds`` (the probe's, in :data:`FEATURES` order) give a pass's work (its terms that are features:
+    its FLOPs at its micro-batch's factor of ``flop_factors``, 1 for the intercept), or None where one is unpriced."""
+    shape = {(p, b): f for p, b, f in flop_factors}
+    total = 0.0
+    for name, amount in figure.terms:
+        if name not in FEATURES:
+            continue
+        per = seconds[FEATURES.index(name)]
+        if per is None:
+            return None
+        of = {"flops_fp32": Precision.FP32.value, "flops_16bit": half}.get(name)
+        total += amount * per * (shape.get((of, figure.micro_batch), 1.0) if of else 1.0)
+    return total
+
+
+def pass_factors(probe: MachineProbe, *, seconds: list[float | None], flop_factors: list[tuple[str, int, float]],
+                 half: str) -> tuple[tuple[str, int, float], ...]:
+    """(precision, micro-batch, factor) of each timed pass (:mod:`optimizer.perf.model_pass`): the slope
+    k = (t − t₀) / (p − p₀) between the pass at that micro-batch and the precision's intercept, t the seconds timed and
+    p those :func:`priced` gives the pass's work. A precision without an intercept, a work no figure prices, or a
+    slope that is not positive gives no factor: the GEMM figures stand alone there."""
+    out: list[tuple[str, int, float]] = []
+    for figure in probe.of_kind("pass"):
+        intercept = probe.find("pass", precision=figure.precision, variant=PASS_INTERCEPT)
+        if figure.variant or intercept is None:
+            continue
+        p, p0 = (priced(f, seconds=seconds, flop_factors=flop_factors, half=half) for f in (figure, intercept))
+        if p is None or p0 is None or p <= p0:
+            continue
+        k = (figure.median_s - intercept.median_s) / (p - p0)
+        if k > 0:
+            out.append((figure.precision, figure.micro_batch, k))
+    return tuple(sorted(out))
 
 
 def engine_figure(probe: MachineProbe, kind: str, *, variant: str, precision: str) -> ProbeFigure | None:

@@ -12,6 +12,10 @@ from optimizer.study.knobs import Precision, ZeroStage
 FEATURES = ("flops_fp32", "flops_16bit", "comm_bytes", "comm_bytes_z3", "pcie_bytes", "host_params", "nvme_bytes",
             "micro_steps_z0", "micro_steps_z1", "micro_steps_z2", "micro_steps_z3", "dequant_bytes")
 """The work of one optimizer step per rank, in the order of :class:`Rates`'s seconds-per-unit."""
+COMPUTE_FEATURES = ("flops_fp32", "flops_16bit", "dequant_bytes")
+"""The features of compute (:mod:`optimizer.perf.throughput`): what a probe's model pass is counted in
+(:mod:`optimizer.perf.model_pass`); :attr:`Rates.pass_factors` scales the FLOPs among them (the dequantization runs
+once per matmul, whatever the tokens)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,16 +96,25 @@ class Rates:
     in ``seconds_per`` (DeepSpeed's optimizer wrapper differs by precision, :mod:`optimizer.perf.probe_plan`): its
     micro-step costs ``factor`` of the stage's, its optimizer step ``share`` of its own micro-step more; a candidate
     in that precision counts factor·(M + share) of the stage's micro-steps instead of M + the stage's share."""
+    pass_factors: tuple[tuple[str, int, float], ...] = ()
+    """(precision, micro-batch, factor): the study's model's whole forward and backward timed at that precision and
+    micro-batch against what the other figures price its FLOPs at (the probe's model pass,
+    :mod:`optimizer.perf.model_pass`): a candidate in that precision at that micro-batch has its FLOP features (fp32
+    and 16-bit) scaled by it — the per-token work no FLOP counts; 1 where absent."""
 
     def features(self, job: Work) -> tuple[float, ...]:
         """``job``'s work in :data:`FEATURES` order, its FLOPs scaled by :attr:`flop_factors` (per precision of
-        the FLOPs: the fp32 feature by fp32's factor, the 16-bit one by the 16-bit precision's)."""
+        the FLOPs: the fp32 feature by fp32's factor, the 16-bit one by the 16-bit precision's) and both by the
+        candidate's :attr:`pass_factors`."""
         vector = list(job.vector())
         if self.flop_factors:
             factors = {(p, b): f for p, b, f in self.flop_factors}
             half = next((p for p, _, _ in self.flop_factors if p != Precision.FP32.value), Precision.BF16.value)
             for index, precision in ((0, Precision.FP32.value), (1, half)):
                 vector[index] *= factors.get((precision, job.micro_batch_size), 1.0)
+        whole = {(p, b): f for p, b, f in self.pass_factors}.get((job.precision.value, job.micro_batch_size), 1.0)
+        for index in (0, 1) if whole != 1.0 else ():  # the FLOPs, fp32 and 16-bit
+            vector[index] *= whole
         index = FEATURES.index(f"micro_steps_z{int(job.stage)}")
         if vector[index]:  # the stage's engine: its step's share, in the candidate's precision where timed apart
             own = {stage: (factor, share) for precision, stage, factor, share in self.engine_factors

@@ -23,14 +23,21 @@ PROBE_FORMAT = 1
 """Bumped when the recorded fields change (the cache key carries it)."""
 
 KINDS = ("gemm", "attention", "device_adam", "host_adam", "copy", "memory", "all_reduce", "reduce_scatter",
-         "all_gather", "nvme_write", "nvme_read", "engine_micro", "engine_step")
+         "all_gather", "nvme_write", "nvme_read", "engine_micro", "engine_step", "pass")
 """What a figure times (module doc): ``gemm`` and ``attention`` forward + backward of the model's matmuls and
 attention core at one precision and micro-batch (work: FLOPs); ``device_adam``/``host_adam`` one optimizer step
 (work: parameters); ``copy`` host↔device (CPU ranks: host memory to host memory; work: bytes); ``memory`` a
 device-memory copy (work: bytes read + written); the collectives (work: bytes of the buffer); NVMe (work: bytes);
 ``engine_micro`` a micro-step of DeepSpeed's engine that only accumulates and ``engine_step`` one that also steps
 the optimizer, on the study's model at a tiny width (:mod:`optimizer.perf.skeleton`; variant: the ZeRO stage,
-``z2``; work: 1 micro-step)."""
+``z2``; work: 1 micro-step); ``pass`` the study's model's own forward and backward at its width, at most two blocks
+deep, at one precision and micro-batch (variant ``intercept``: one row of the skeleton's tokens;
+:mod:`optimizer.perf.model_pass`; work: its FLOPs as the time model counts them, :attr:`ProbeFigure.terms` by
+feature)."""
+
+PASS_INTERCEPT = "intercept"
+"""The variant of a ``pass`` figure timed on one row of the skeleton's tokens: the per-call cost of the pass's modules
+(:mod:`optimizer.perf.model_pass`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,7 +53,8 @@ class ProbeFigure:
     """Micro-batch size of a ``gemm``/``attention`` figure; 0 otherwise."""
     variant: str = ""
     """``pinned``/``pageable`` for ``copy``, ``h2d``/``d2h`` appended (``pinned h2d``); a collective's size
-    (``8192 B``); an engine's stage (``z2``, ``z0 ckpt=full``); empty otherwise."""
+    (``8192 B``); an engine's stage (``z2``); an engine's with every block
+    checkpointed (``z0 ckpt=full``); a pass's ``intercept``; empty otherwise."""
     work: float
     """What one run does, in the kind's unit (FLOPs, parameters or bytes; :data:`KINDS`)."""
     median_s: float
@@ -57,6 +65,9 @@ class ProbeFigure:
     """The slowest round on any rank (seconds)."""
     repeats: int
     """Rounds per rank."""
+    terms: tuple[tuple[str, float], ...] = ()
+    """A ``pass`` figure's work by the time model's feature (``flops_fp32``, ``flops_16bit``, ``dequant_bytes``:
+    :func:`optimizer.perf.model_pass.pass_terms`); empty for the other kinds."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -83,14 +94,16 @@ class ProbeFigure:
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "precision": self.precision, "micro_batch": self.micro_batch,
                 "variant": self.variant, "work": self.work, "median_s": self.median_s, "low_s": self.low_s,
-                "high_s": self.high_s, "repeats": self.repeats}
+                "high_s": self.high_s, "repeats": self.repeats,
+                **({"terms": [[name, amount] for name, amount in self.terms]} if self.terms else {})}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ProbeFigure:
         return cls(kind=str(data["kind"]), precision=str(data.get("precision", "")),
                    micro_batch=int(data.get("micro_batch", 0)), variant=str(data.get("variant", "")),
                    work=float(data["work"]), median_s=float(data["median_s"]), low_s=float(data["low_s"]),
-                   high_s=float(data["high_s"]), repeats=int(data["repeats"]))
+                   high_s=float(data["high_s"]), repeats=int(data["repeats"]),
+                   terms=tuple((str(name), float(amount)) for name, amount in data.get("terms", ())))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -4,18 +4,22 @@ optimizer/perf/skeleton.py ``skeleton_bucket_elements``)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from launchers.probe.machine import engine_plans
+from launchers.probe.machine import engine_plans, pass_plans
 from launchers.trace.inventory import adapted_inventory
 from optimizer.deepspeed.zero_settings import zero_settings
 from optimizer.ledger.transformer import trainable_tensors
+from optimizer.perf.model_pass import intercept_tokens
 from optimizer.perf.probe_plan import probe_plan
 from optimizer.perf.skeleton import skeleton_model
 from optimizer.study.knobs import ZeroStage
+from optimizer.study.machine_probe import PASS_INTERCEPT
+from optimizer.study.specs import ModelInit
 from optimizer.study.study_file import load_study
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -64,3 +68,29 @@ def test_a_full_fine_tune_s_skeleton_keeps_dsopt_s_own_bucket():
     _, skeleton, engines = _plans("grid-cpu")
     squared = zero_settings(model=skeleton, stage=ZeroStage.GRADIENTS).reduce_bucket_elements
     assert all(e["config"]["zero_optimization"]["reduce_bucket_size"] == squared for e in engines)
+
+
+@pytest.mark.parametrize("name", ["grid-qlora-llama-cpu", "grid-reference-lora-llama-cpu"])
+def test_the_model_passes_build_the_study_model_two_blocks_deep_in_each_precision(name):
+    spec = adapted_inventory(load_study(ROOT / "studies" / f"{name}.yaml"))
+    plan = probe_plan(spec)
+    passes = pass_plans(spec, plan)
+    assert [p["precision"] for p in passes] == list(plan.precisions)
+    for one in passes:
+        assert one["model"]["layers"] == plan.pass_layers == 2
+        assert one["model"]["hf_config"]["num_hidden_layers"] == 2
+        assert one["model"]["peft"]["target_modules"] == json.loads(spec.model.peft)["target_modules"]
+        assert one["config"]["zero_optimization"].get("stage", 0) == 0 and one["checkpointing"] == "none"
+        timed = [(p["micro_batch"], p["variant"]) for p in one["passes"]]
+        assert timed == [(b, "") for b in plan.micro_batches] + [(0, PASS_INTERCEPT)]
+        rows = {p["variant"] or p["micro_batch"]: (p["rows"], p["tokens"]) for p in one["passes"]}
+        assert rows[PASS_INTERCEPT] == (spec.model.rows(1), intercept_tokens(spec.training.sequence_length))
+        assert all(p["terms"] and all(amount > 0 for _, amount in p["terms"]) for p in one["passes"])
+
+
+def test_a_study_built_under_zero_init_has_its_passes_built_on_the_device():
+    spec = load_study(ROOT / "studies" / "grid-lora-llama-cpu.yaml")
+    staged = replace(spec, training=replace(spec.training, model_init=ModelInit.ZERO_INIT),
+                     search_space=replace(spec.search_space, values=(("zero_stage", (ZeroStage.PARAMETERS,)),)))
+    passes = pass_plans(adapted_inventory(staged), probe_plan(staged))
+    assert passes and {p["construction"] for p in passes} == {"device"}

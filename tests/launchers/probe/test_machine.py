@@ -61,6 +61,9 @@ def test_cache_key_is_the_plan_and_the_machine(monkeypatch):
         (0, "none", "bf16"), (1, "none", "bf16"), (2, "none", "bf16"), (3, "none", "bf16"), (0, "full", "bf16"),
         (0, "none", "fp32"), (1, "none", "fp32"), (2, "none", "fp32"), (3, "none", "fp32")]
     assert all(("bf16" in e["config"]) is (e["precision"] == "bf16") for e in engines)
+    passes = rank_input(lora, probe_plan(lora))["passes"]  # the model's pass: its width, what trains, two blocks
+    assert passes[0]["model"]["peft"]["r"] == 2 and passes[0]["model"]["hidden_size"] == study.model.hidden_size
+    assert [p["precision"] for p in passes] == ["fp32", "bf16"] and passes[0]["model"]["layers"] == 2
     assert all(e["config"]["gradient_accumulation_steps"] == 2 and e["sequence_length"] == 16 for e in engines)
 
 

@@ -49,6 +49,8 @@ def test_dsopt_probe_times_every_planned_operation_and_caches_it(tmp_path, monke
     assert main(["probe", study_file]) == 0  # the second time: the cache, no launch
     out, err = capsys.readouterr()
     assert "(cached)" in err and "| gemm fp32 mbs=1 |" in out and "probe done" not in err
+    assert any(line.startswith("| pass fp32 mbs=1 |") and "GFLOP" in line and "TFLOP/s" in line
+               for line in out.splitlines())  # the model's pass, in the FLOPs the time model counts for it
     study = with_probe(load_study(study_file))
     assert study.hardware.probe == cached_probe(study)
     rates = profile_rates(hardware=study.hardware)
@@ -72,6 +74,14 @@ def test_dsopt_probe_times_every_planned_operation_and_caches_it(tmp_path, monke
              and f["precision"] == main_}
     assert micro["z3"] > micro["z0"]  # ZeRO-3 gathers every module's parameters in each micro-step; ZeRO-0 nothing
     assert plan.engine_recompute and rates.recompute_shares  # demo-cpu's space has checkpointing: full
+    # the model's own forward and backward, two blocks deep at its width: each precision at each micro-batch and its
+    # intercept, each carrying the time model's count of its work; a factor for every precision and micro-batch
+    passes = {(f["precision"], f["micro_batch"], f["variant"]) for f in probe["figures"] if f["kind"] == "pass"}
+    assert passes == {(p, b, "") for p in plan.precisions for b in plan.micro_batches} | {
+        (p, 0, "intercept") for p in plan.precisions}
+    assert all(f["terms"] for f in probe["figures"] if f["kind"] == "pass")
+    assert {(p, b) for p, b, _ in rates.pass_factors} == {(p, b) for p in plan.precisions for b in plan.micro_batches}
+    assert all(factor > 0 for _, _, factor in rates.pass_factors)
 
 
 def test_a_probe_that_fails_in_the_reference_launch_fails_alone(tmp_path, monkeypatch):

@@ -1,0 +1,61 @@
+"""The probe's model passes on one rank (:mod:`optimizer.perf.model_pass`): the study's model built as a trial builds
+it, a few blocks deep, cast as DeepSpeed's engine casts it, its forward and backward timed with autograd alone.
+
+Called by :func:`launchers.rank.probe_rank.run` with one precision's plan (:func:`launchers.probe.machine.pass_plans`):
+the model is built once (:func:`launchers.models.builtin.build_workload`: PEFT, a 4-bit base, frozen parameters as in
+a trial), then each pass — every micro-batch of the space and the intercept — is timed in the probe's rounds
+(:class:`launchers.rank.probe_rank.Timer`). Gradients accumulate across the runs, as they do across a step's
+micro-steps.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+
+def cast_as_deepspeed(model: Any, precision: str) -> None:
+    """``model``'s floating-point parameters in ``precision``'s dtype, its buffers as they are: DeepSpeed 0.19's cast
+    of a bf16/fp16 engine (``runtime/engine.py`` ``_cast_module_mixed_precision``, ``CASTABLE_DTYPES``); an fp32
+    engine casts nothing (a 4-bit base's bf16-stored packed weights stay as they are)."""
+    import torch
+
+    target = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if target is None:
+        return
+    for param in model.parameters():
+        if param.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) and param.dtype != target:
+            param.data = param.data.to(target)
+
+
+def pass_figures(rounds: Callable[[Callable[[], object]], list[float]], plan: dict[str, Any], *,
+                 device: Any) -> list[dict[str, Any]]:
+    """Each pass of ``plan`` (one precision's, module doc) timed by ``rounds``: a figure per pass, its work the FLOPs of
+    its terms, its terms as the plan counted them."""
+    import torch
+
+    from launchers.models.builtin import build_workload
+
+    model, batch_fn = build_workload(model_spec=plan["model"], checkpointing=plan["checkpointing"],
+                                     sequence_length=plan["sequence_length"], seed=plan["seed"], entry_point=None,
+                                     construction=plan["construction"], ds_config=plan["config"], device=device)
+    cast_as_deepspeed(model, plan["precision"])
+    model.train()
+    figures = []
+    try:
+        for one in plan["passes"]:
+            batch = batch_fn(0, list(range(one["rows"])))[:, :one["tokens"] + 1].to(device)
+
+            def run(data: torch.Tensor = batch, net: Any = model) -> None:
+                net(data).backward()
+
+            flops = sum(amount for name, amount in one["terms"] if name.startswith("flops"))
+            figures.append({"kind": "pass", "precision": plan["precision"], "micro_batch": one["micro_batch"],
+                            "variant": one["variant"], "work": flops, "terms": one["terms"], "rounds_s": rounds(run)})
+    finally:
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return figures
