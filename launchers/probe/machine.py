@@ -32,7 +32,7 @@ from typing import Any
 
 from launchers.ops.build_locks import node_lock
 from launchers.trace.cache_dir import cache_dir, source_digest
-from launchers.trace.inventory import adapted_inventory
+from launchers.trace.inventory import adapted_inventory, with_inventory
 from launchers.trace.json_cache import KeyedJsonStore
 from launchers.trial.local import build_launch_plan, execute, extensions_dir, free_port, log_tail
 from launchers.trial.node_share import read_cpu_allowance
@@ -41,6 +41,7 @@ from optimizer.deepspeed.versions import installed_versions
 from optimizer.perf.model_pass import depth_model, intercept_tokens, pass_terms
 from optimizer.perf.probe_plan import ProbePlan, probe_plan
 from optimizer.perf.skeleton import SKELETON_MICRO_STEPS, SKELETON_TOKENS, skeleton_bucket_elements, skeleton_model
+from optimizer.study.errors import UserError
 from optimizer.study.knobs import Candidate, FullCheckpointing, Precision, ZeroStage
 from optimizer.study.machine_probe import PASS_INTERCEPT, PROBE_FORMAT, MachineProbe, ProbeFigure
 from optimizer.study.specs import Accelerator, ModelInit, baseline_candidate
@@ -56,8 +57,11 @@ suite sets it but for the tests of the probe, so that a probe is paid where it i
 LOCK_NAME = "dsopt-probe.lock"
 """The node lock's file, in ``TORCH_EXTENSIONS_DIR`` (beside the ops' lock, :mod:`launchers.study.op_prep`)."""
 CODE = ("launchers.rank.probe_rank", "launchers.rank.probe_pass", "optimizer.perf.probe_plan",
-        "optimizer.perf.skeleton", "optimizer.perf.model_pass", "optimizer.study.machine_probe")
-"""The modules whose source is in the cache key: an edit to what is timed or how probes again."""
+        "optimizer.perf.skeleton", "optimizer.perf.model_pass", "optimizer.study.machine_probe",
+        "launchers.models.builtin", "launchers.models.hf_model", "launchers.models.four_bit",
+        "launchers.models.trainable")
+"""The modules whose source is in the cache key: an edit to what is timed or how (the model passes and the skeleton
+are built by the trials' own model code) probes again."""
 
 
 class ProbeUnavailable(RuntimeError):
@@ -89,7 +93,8 @@ def engine_plans(spec: StudySpec, plan: ProbePlan) -> list[dict[str, Any]]:
     (:func:`optimizer.perf.skeleton.skeleton_model`) at that stage in ``plan.engine_precision``: one sample of
     :data:`~optimizer.perf.skeleton.SKELETON_TOKENS` tokens per micro-step, two micro-steps per step, no offload or
     checkpointing (and the lowest stage again with every block checkpointed where the space recomputes blocks; then
-    every stage again in each other precision of the space, ``plan.engine_others``), on one node's ranks — the
+    the stages below ZeRO-2 again in each other precision of the space, ``plan.engine_others`` at
+    ``plan.engine_other_stages``), on one node's ranks — the
     DeepSpeed config built by dsopt's own builder for the skeleton, so its buckets are as many as the study's
     (:mod:`optimizer.perf.skeleton`). What trains (PEFT, frozen parameters) is the study's; a user's script
     (``trial.command``) is not run: the engine is DeepSpeed's whatever calls it."""
@@ -118,7 +123,7 @@ def engine_plans(spec: StudySpec, plan: ProbePlan) -> list[dict[str, Any]]:
                                       checkpointing=FullCheckpointing())))
     for other in plan.engine_others:  # DeepSpeed's path differs by precision (ProbePlan.engine_others)
         engines += [engine(replace(base, zero_stage=ZeroStage(stage), precision=Precision(other)))
-                    for stage in plan.engine_stages]
+                    for stage in plan.engine_other_stages]
     return engines
 
 
@@ -127,15 +132,21 @@ def pass_plans(spec: StudySpec, plan: ProbePlan) -> list[dict[str, Any]]:
     precision, ``plan.pass_layers`` blocks deep (:func:`optimizer.perf.model_pass.depth_model`, its inventory traced
     again), and the passes to time on it (:mod:`optimizer.perf.model_pass`): each micro-batch of the space at the
     study's sequence length, and the intercept on one sample of a few tokens
-    (:func:`optimizer.perf.model_pass.intercept_tokens`) — each with its rows and the time model's count of its
-    work (:func:`optimizer.perf.model_pass.pass_terms`). Empty where ``plan`` times no pass."""
+    (:func:`optimizer.perf.model_pass.intercept_tokens`), timed first — each with its rows and the time model's count
+    of its work (:func:`optimizer.perf.model_pass.pass_terms`). Empty where ``plan`` times no pass, or where what
+    trains names a block the shorter model lacks (``frozen: [model.layers.10.*]``, PEFT's ``layers_to_transform``):
+    the GEMM figures stand alone there."""
     if not plan.pass_layers:
         return []
     hardware = replace(spec.hardware, nodes=1)
     built = spec.training.model_init  # at ZeRO-0, where zero.Init (stage 3 only) builds on the device instead
     training = replace(spec.training, model_init=ModelInit.DEVICE if built is ModelInit.ZERO_INIT else built)
-    short = adapted_inventory(replace(spec, model=depth_model(spec.model, plan.pass_layers), hardware=hardware,
-                                      training=training, trial=TrialSettings(seed=spec.trial.seed)))
+    try:  # the shorter model's own inventory (what trains in it, its biases and heads), as the study's is counted
+        short = with_inventory(replace(spec, model=depth_model(spec.model, plan.pass_layers), hardware=hardware,
+                                       training=training, trial=TrialSettings(seed=spec.trial.seed)),
+                               warn=lambda line: None)
+    except UserError:  # what trains names a block the two do not have (frozen: [model.layers.10.*]): no pass
+        return []
     model, base = short.model, baseline_candidate(short.training)
     plans = []
     for precision in plan.precisions:
@@ -147,8 +158,8 @@ def pass_plans(spec: StudySpec, plan: ProbePlan) -> list[dict[str, Any]]:
             return {"micro_batch": 0 if variant else micro_batch, "variant": variant, "rows": model.rows(micro_batch),
                     "tokens": tokens, "terms": [list(term) for term in terms]}
 
-        passes = [one(b, short.training.sequence_length) for b in plan.micro_batches]
-        passes.append(one(1, intercept_tokens(short.training.sequence_length), PASS_INTERCEPT))
+        passes = [one(1, intercept_tokens(short.training.sequence_length), PASS_INTERCEPT)]  # first: kept if a
+        passes += [one(b, short.training.sequence_length) for b in plan.micro_batches]  # wide one does not fit
         plans.append({"precision": precision, **rank_plan(study=short, candidate=candidate), "passes": passes})
     return plans
 

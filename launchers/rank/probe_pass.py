@@ -29,10 +29,18 @@ def cast_as_deepspeed(model: Any, precision: str) -> None:
             param.data = param.data.to(target)
 
 
+def timed_pass(rounds: Callable[[Callable[[], object]], list[float]], model: Any, batch: Any) -> list[float]:
+    """``rounds`` of one forward and backward of ``model`` on ``batch`` (no reference to either outlives it)."""
+    return rounds(lambda: model(batch).backward())
+
+
 def pass_figures(rounds: Callable[[Callable[[], object]], list[float]], plan: dict[str, Any], *,
-                 device: Any) -> list[dict[str, Any]]:
+                 device: Any) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """Each pass of ``plan`` (one precision's, module doc) timed by ``rounds``: a figure per pass, its work the FLOPs of
-    its terms, its terms as the plan counted them."""
+    its terms, its terms as the plan counted them; and each pass that could not run (skipped, with why: a wide
+    micro-batch that does not fit the card, say), the others' figures kept. The model goes to the device whole, as
+    DeepSpeed's engine moves it (``runtime/engine.py`` ``_configure_distributed_model``): a 4-bit base is built on
+    the host and only its quantized layers placed on the device (:func:`launchers.models.builtin.build_workload`)."""
     import torch
 
     from launchers.models.builtin import build_workload
@@ -40,22 +48,29 @@ def pass_figures(rounds: Callable[[Callable[[], object]], list[float]], plan: di
     model, batch_fn = build_workload(model_spec=plan["model"], checkpointing=plan["checkpointing"],
                                      sequence_length=plan["sequence_length"], seed=plan["seed"], entry_point=None,
                                      construction=plan["construction"], ds_config=plan["config"], device=device)
+    model.to(device)
     cast_as_deepspeed(model, plan["precision"])
     model.train()
-    figures = []
-    try:
-        for one in plan["passes"]:
-            batch = batch_fn(0, list(range(one["rows"])))[:, :one["tokens"] + 1].to(device)
-
-            def run(data: torch.Tensor = batch, net: Any = model) -> None:
-                net(data).backward()
-
-            flops = sum(amount for name, amount in one["terms"] if name.startswith("flops"))
-            figures.append({"kind": "pass", "precision": plan["precision"], "micro_batch": one["micro_batch"],
-                            "variant": one["variant"], "work": flops, "terms": one["terms"], "rounds_s": rounds(run)})
-    finally:
-        del model
-        gc.collect()
+    figures: list[dict[str, Any]] = []
+    skipped: list[dict[str, str]] = []
+    for one in plan["passes"]:
+        what = f"model pass {plan['precision']} {one['variant'] or 'mbs=' + str(one['micro_batch'])}"
+        batch = batch_fn(0, list(range(one["rows"])))[:, :one["tokens"] + 1].to(device)
+        flops = sum(amount for name, amount in one["terms"] if name.startswith("flops"))
+        try:
+            seconds = timed_pass(rounds, model, batch)
+        except Exception as err:  # a pass this card cannot run is a finding, not the probe's end
+            skipped.append({"what": what, "why": f"{type(err).__name__}: "
+                            f"{str(err).splitlines()[0][:200] if str(err) else ''}"})
+            seconds = None
+        del batch
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return figures
+        if seconds is not None:
+            figures.append({"kind": "pass", "precision": plan["precision"], "micro_batch": one["micro_batch"],
+                            "variant": one["variant"], "work": flops, "terms": one["terms"], "rounds_s": seconds})
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return figures, skipped

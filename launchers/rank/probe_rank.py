@@ -9,8 +9,8 @@ Each operation runs once to warm up, then ``ROUNDS`` rounds; a round repeats it 
 waits on a call the others never make). A CUDA round is timed with CUDA events around the repetitions, a CPU round
 with ``time.perf_counter``. The collectives go through ``deepspeed.comm`` — DeepSpeed's own backend choice, as the
 engine's collectives do (gloo, or its shared-memory all-reduce on CPU ranks; NCCL on GPUs). Last, DeepSpeed's engine
-itself at each ZeRO stage of the space, in each precision of the space, on the study's model at a tiny width
-(:func:`engine_rounds`), after the study's model's own forward and backward at its width
+itself at each ZeRO stage of the space (the other precisions at fewer, ``engine_other_stages``), on the study's model
+at a tiny width (:func:`engine_rounds`), after the study's model's own forward and backward at its width
 (:mod:`launchers.rank.probe_pass`). Rank k writes ``rank<k>.json`` (``probe_rank<k>.json`` where the probe ends a
 trial's launch, :func:`after_trial`): per figure its kind, precision, micro-batch, variant, work and seconds per run of
 each round; an operation the machine cannot run is written as skipped with the reason, never a crash of the probe.
@@ -325,8 +325,10 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
     for model_pass in plan.get("passes", ()):  # the model's own forward and backward (launchers/rank/probe_pass.py)
         dist.barrier()
         try:
-            figures += pass_figures(timer.rounds, model_pass, device=device)
-        except Exception as err:  # a pass that does not fit or run here is a finding: the GEMM figures stand alone
+            timed, missed = pass_figures(timer.rounds, model_pass, device=device)
+            figures += timed
+            skipped += missed
+        except Exception as err:  # a model that cannot be built here is a finding: the GEMM figures stand alone
             skipped.append({"what": f"model pass {model_pass['precision']}",
                             "why": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"})
     for engine in plan.get("engines", ()):

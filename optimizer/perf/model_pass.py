@@ -13,15 +13,16 @@ So the probe also times the pass itself — the study's model built as a trial b
 parameters; :func:`launchers.models.builtin.build_workload`), its parameters cast to 16 bits as DeepSpeed's engine
 casts them (0.19 ``runtime/engine.py`` ``_cast_module_mixed_precision``: floating-point parameters only), then
 ``loss.backward()`` with autograd alone, no DeepSpeed — at each precision and micro-batch of the space, and once on
-one row of a few tokens (:func:`intercept_tokens`): the *intercept*, the per-call cost of every module's forward and
-backward that the engine's skeleton already counts (:mod:`optimizer.perf.skeleton`), and a 4-bit base's
-dequantization, once per matmul whatever the tokens (:mod:`optimizer.perf.four_bit_work`). Each
+one sample of a few tokens (a DPO pair's two rows; :func:`intercept_tokens`): the *intercept*, the per-call cost of
+every module's forward and backward that the engine's skeleton already counts (:mod:`optimizer.perf.skeleton`), and a
+4-bit base's dequantization, once per matmul whatever the tokens (:mod:`optimizer.perf.four_bit_work`). Each
 timing carries the time model's count of its work (:func:`pass_terms`); with p the seconds the probe's GEMM figures
 give that work, the pass's factor is the slope k = (t − t₀) / (p − p₀) between the pass and the intercept
 (:func:`optimizer.perf.probed_rates.pass_factors`): how much longer than its GEMMs the pass's per-token work runs. The
 time model scales a candidate's FLOPs by it (:attr:`optimizer.perf.rates.Rates.pass_factors`; the dequantization,
 in pass and intercept alike, is not in the slope), and calibration keeps it as a shape, as it keeps the
-per-micro-batch GEMM factors.
+per-micro-batch GEMM factors. A reference model's forward (DPO) and recomputed forwards are scaled by the same
+factor, though the pass times neither: a forward's per-token work taken to run as the pass's does.
 
 Recomputation stays on the engine's skeleton (:mod:`optimizer.perf.skeleton`). A pass with every block checkpointed,
 less the plain one and the recomputed FLOPs, was tried (2026-12-07): on grid-llama-cpu's fp32 model it said 3.3–4.4 ms
@@ -50,17 +51,20 @@ from optimizer.study.specs import HardwareSpec, TrainingSpec, TransformerModel
 
 
 def intercept_tokens(sequence_length: int) -> int:
-    """Tokens of the intercept's one row: the skeleton's :data:`~optimizer.perf.skeleton.SKELETON_TOKENS`, fewer where
-    the study's sequence is not four times longer (a pass of 16 tokens against an intercept of 16 has no slope)."""
+    """Tokens of each of the intercept's rows: the skeleton's :data:`~optimizer.perf.skeleton.SKELETON_TOKENS`, fewer
+    where the study's sequence is not four times longer (a pass of 16 tokens against an intercept of 16 has no
+    slope)."""
     return max(1, min(SKELETON_TOKENS, sequence_length // 4))
 
 
 def depth_model(model: TransformerModel, layers: int) -> TransformerModel:
     """``model`` with ``layers`` blocks, its width, vocabulary and head kept: the layer count set in its
     ``transformers`` config (each of :data:`optimizer.study.hf_config.LAYER_KEYS` it has, in the config and in its
-    ``text_config``), and each per-layer list there (``layer_types``: a key naming layers whose list is one entry per
-    block) cut to the first ``layers``. The parameter inventory and traced activations are dropped: they are the whole
-    model's (the probe traces the shorter one again)."""
+    ``text_config``), and each list there of one entry per block (``layer_types``, Gemma 3n's
+    ``activation_sparsity_pattern``) cut to the first ``layers``; counts of special blocks (DeepSeek's
+    ``first_k_dense_replace``) are left as they are, so two blocks of such a model may all be of one kind. The
+    parameter inventory and traced activations are dropped: they are the whole model's (the probe traces the shorter
+    one again)."""
     config = None
     if model.hf_config is not None:
         settings = json.loads(model.hf_config)
@@ -70,8 +74,8 @@ def depth_model(model: TransformerModel, layers: int) -> TransformerModel:
             for key in LAYER_KEYS:
                 if isinstance(section.get(key), int) and not isinstance(section.get(key), bool):
                     section[key] = layers
-            for key, value in list(section.items()):
-                if "layer" in key and isinstance(value, list) and len(value) == model.layers:
+            for key, value in list(section.items()):  # one entry per block: layer_types, Gemma 3n's sparsity pattern
+                if isinstance(value, list) and len(value) == model.layers:
                     section[key] = value[:layers]
         config = json.dumps(settings, sort_keys=True, separators=(",", ":"))
     return replace(model, layers=layers, hf_config=config, inventory=None, traced_activations=())

@@ -28,7 +28,8 @@ probe answers for *this* model on *this* machine, not for a datasheet's ideal GE
   own width, in each precision at each micro-batch and once on one row of a few tokens
   (:mod:`optimizer.perf.model_pass`): the per-token work the FLOPs above leave out (norms, activations, adapters).
 * **DeepSpeed's engine**: one micro-step that accumulates and one that steps the optimizer, at each ZeRO stage of the
-  space, in each precision of the space (:attr:`ProbePlan.engine_others`), on the study's model at a tiny width
+  space, in the space's other precisions at ZeRO-0 and its lowest sharded stage (:attr:`ProbePlan.engine_others`,
+  :attr:`ProbePlan.engine_other_stages`), on the study's model at a tiny width
   (:mod:`optimizer.perf.skeleton`): DeepSpeed's own cost per micro-step and per optimizer step — hooks, buckets, each
   collective call's latency — which the FLOPs and bytes above leave out.
 
@@ -111,11 +112,23 @@ class ProbePlan:
     """The precision the skeleton's engines train in: the space's 16-bit one where it has one (most of its
     candidates), else fp32."""
     engine_others: tuple[str, ...] = ()
-    """The space's other precisions, each timed at every engine stage too: DeepSpeed wraps the optimizer by
+    """The space's other precisions, each timed at :attr:`engine_other_stages` too: DeepSpeed wraps the optimizer by
     precision (DeepSpeed 0.19 ``runtime/engine.py`` ``_configure_optimizer``: ZeRO-0 fp32 steps the bare optimizer,
     bf16 its BF16_Optimizer with fp32 gradient accumulation, fp16 the loss-scaled FP16_Optimizer; ZeRO 1–3 keep
     fp32 master weights and cast in 16 bits only), so a stage's cost per micro-step is not one figure for all of them
     (on this project's CPU grids an fp32 ZeRO-1 micro-step costs less than fp32 ZeRO-0's, a bf16 one more)."""
+
+    @property
+    def engine_other_stages(self) -> tuple[int, ...]:
+        """The stages :attr:`engine_others` are timed at: ZeRO-0 where the space has it (its own optimizer path, the
+        bare optimizer or BF16_Optimizer) and the lowest sharded stage of the space (1, else 2, else 3). ZeRO-2 is
+        ZeRO-1's optimizer class (``runtime/zero/stage_1_and_2.py``) and ZeRO 1–3 all keep fp32 master weights and
+        cast in 16 bits, so a higher stage takes the factor of the nearest sharded one timed below it
+        (:func:`optimizer.perf.probed_rates.borrowed_factors`): on the twelve CPU grids, ρ from the probe alone moved
+        by at most ±0.01 (reference Llama +0.04) with their fp32 ZeRO-2/3 engines left out, and those two engines
+        took ~1.2 s of the demo's 5.8 s probe."""
+        sharded = [s for s in self.engine_stages if s >= 1]
+        return tuple(s for s in self.engine_stages if s == 0) + tuple(sharded[:1])
     engine_recompute: bool = False
     """The space recomputes whole blocks (``checkpointing: full`` or ``every_K``): the engine of the lowest stage is
     also timed with every block checkpointed (``torch.utils.checkpoint``'s own cost per micro-step: on CPU ranks
@@ -149,7 +162,7 @@ class ProbePlan:
                 "memory_bytes": self.memory_bytes, "reduce_bytes": list(self.reduce_bytes),
                 "gather_bytes": list(self.gather_bytes), "nvme_path": self.nvme_path, "nvme_bytes": self.nvme_bytes,
                 "engine_stages": list(self.engine_stages), "engine_precision": self.engine_precision,
-                "engine_others": list(self.engine_others),
+                "engine_others": list(self.engine_others), "engine_other_stages": list(self.engine_other_stages),
                 "engine_skipped": self.engine_skipped, "engine_recompute": self.engine_recompute,
                 "pass_layers": self.pass_layers,
                 "gemm_flops": {str(b): self.gemm_flops(b) for b in self.micro_batches},

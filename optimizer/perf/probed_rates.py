@@ -84,6 +84,7 @@ def probed_rates(rates: Rates, *, hardware: HardwareSpec, probe: MachineProbe) -
             if other is not None:
                 share = max(0.0, other_step.median_s - other.median_s) / other.median_s if other_step else 0.0
                 others.append((precision, int(stage), other.median_s / micro.median_s, share))
+    others += borrowed_factors(others, stages=sorted(micro_s), shares=dict(shares))
     recompute: list[tuple[int, float]] = []
     for figure in probe.of_kind("engine_micro"):  # "z0 ckpt=full": the lowest stage with every block recomputed
         stage, _, checkpointed = figure.variant.partition(" ckpt=")
@@ -140,6 +141,26 @@ def pass_factors(probe: MachineProbe, *, seconds: list[float | None], flop_facto
         if k > 0:
             out.append((figure.precision, figure.micro_batch, k))
     return tuple(sorted(out))
+
+
+def borrowed_factors(others: list[tuple[str, int, float, float]], *, stages: list[int],
+                     shares: dict[int, float]) -> list[tuple[str, int, float, float]]:
+    """For a precision whose engine was timed at some stages only (:attr:`optimizer.perf.probe_plan.ProbePlan
+    .engine_other_stages`: ZeRO-0 and the lowest sharded stage), each other sharded stage's (precision, stage, factor,
+    share): the factor of the nearest sharded stage below it that was timed in that precision — ZeRO-1 and ZeRO-2 are
+    one optimizer class (``runtime/zero/stage_1_and_2.py``), and ZeRO 1–3 all keep fp32 master weights and cast in 16
+    bits, so the precision's cost relative to the 16-bit engine carries over; ZeRO-0 (the bare optimizer in fp32)
+    lends to none — and the share of the stage's own optimizer step (``shares``, the 16-bit engine's: ZeRO-1 reduces
+    and gathers once per step, ZeRO-2 every micro-step; which collectives a step makes is the stage's, not the
+    precision's)."""
+    out = []
+    for precision in sorted({p for p, _, _, _ in others}):
+        own = {stage: factor for p, stage, factor, _ in others if p == precision}
+        for stage in stages:
+            below = [s for s in own if 1 <= s < stage]
+            if stage not in own and below:
+                out.append((precision, stage, own[max(below)], shares.get(stage, 0.0)))
+    return out
 
 
 def engine_figure(probe: MachineProbe, kind: str, *, variant: str, precision: str) -> ProbeFigure | None:

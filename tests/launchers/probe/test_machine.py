@@ -20,6 +20,7 @@ from launchers.probe.machine import (
 from launchers.trial.run import probe_seconds
 from optimizer.cli import main
 from optimizer.perf.probe_plan import probe_plan
+from optimizer.study.knobs import ZeroStage
 from optimizer.study.study_file import load_study
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -56,10 +57,17 @@ def test_cache_key_is_the_plan_and_the_machine(monkeypatch):
     engines = rank_input(lora, probe_plan(lora))["engines"]
     assert engines[0]["model"]["peft"]["r"] == 2 and engines[0]["model"]["hidden_size"] < study.model.hidden_size
     # each stage of the space in its 16-bit precision, then the lowest again with every block checkpointed (the
-    # space recomputes blocks), then each stage in fp32: DeepSpeed wraps the optimizer by precision
+    # space recomputes blocks), then the stages below ZeRO-2 in fp32: DeepSpeed wraps the optimizer by precision
+    # (ZeRO-2 is ZeRO-1's class, ZeRO-3 keeps fp32 master weights as they do: they take ZeRO-1's factor)
     assert [(e["stage"], e["checkpointing"], e["precision"]) for e in engines] == [
         (0, "none", "bf16"), (1, "none", "bf16"), (2, "none", "bf16"), (3, "none", "bf16"), (0, "full", "bf16"),
-        (0, "none", "fp32"), (1, "none", "fp32"), (2, "none", "fp32"), (3, "none", "fp32")]
+        (0, "none", "fp32"), (1, "none", "fp32")]
+    high = replace(lora, search_space=replace(lora.search_space, values=(("zero_stage", (ZeroStage.GRADIENTS,
+                                                                                          ZeroStage.PARAMETERS)),)))
+    assert probe_plan(high).engine_other_stages == (2,)  # no stage below ZeRO-2 in the space: its lowest sharded
+    gap = replace(lora, search_space=replace(lora.search_space, values=(("zero_stage", (
+        ZeroStage.DISABLED, ZeroStage.PARAMETERS)),)))
+    assert probe_plan(gap).engine_other_stages == (0, 3)  # ZeRO-0's bare optimizer lends to no sharded stage
     assert all(("bf16" in e["config"]) is (e["precision"] == "bf16") for e in engines)
     passes = rank_input(lora, probe_plan(lora))["passes"]  # the model's pass: its width, what trains, two blocks
     assert passes[0]["model"]["peft"]["r"] == 2 and passes[0]["model"]["hidden_size"] == study.model.hidden_size

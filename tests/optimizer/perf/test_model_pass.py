@@ -33,12 +33,12 @@ def test_the_shorter_model_keeps_the_width_and_cuts_every_per_layer_entry():
     model = study.model
     config = json.loads(model.hf_config)
     config["layer_types"] = ["full_attention"] * model.layers  # transformers builds per-layer lists of that length
-    config["text_config"] = {"num_hidden_layers": model.layers}
+    config["text_config"] = {"num_hidden_layers": model.layers, "activation_sparsity_pattern": [0.95] * model.layers}
     long = replace(model, hf_config=json.dumps(config))
     short = depth_model(long, 1)
     cut = json.loads(short.hf_config)
     assert short.layers == 1 and cut["num_hidden_layers"] == 1 and cut["text_config"]["num_hidden_layers"] == 1
-    assert cut["layer_types"] == ["full_attention"]
+    assert cut["layer_types"] == ["full_attention"] and cut["text_config"]["activation_sparsity_pattern"] == [0.95]
     assert (short.hidden_size, short.ffn_size, short.vocab_size, cut["hidden_size"]) == (
         model.hidden_size, model.ffn_size, model.vocab_size, config["hidden_size"])
     assert short.inventory is None  # the whole model's: traced again for the shorter one

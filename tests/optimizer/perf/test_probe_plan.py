@@ -220,3 +220,29 @@ def test_recomputation_costs_its_probed_extra_per_micro_step_in_proportion_to_th
         # 4 micro-steps: 10 ms more each with every block recomputed, half that with every 2nd of grid-cpu's 2 blocks
         assert overhead["full"] - overhead["none"] == pytest.approx(4 * 0.010)
         assert overhead["every_2"] - overhead["none"] == pytest.approx(4 * 0.005)
+
+
+def test_a_precision_timed_below_zero2_lends_zero1s_factor_to_the_stages_above():
+    study = load_study(ROOT / "studies" / "grid-cpu.yaml")
+    assert probe_plan(study).engine_other_stages == (0, 1)  # of the space's 0–3
+    engine = (figure("engine_micro", 0.004, 1, precision="bf16", variant="z1"),
+              figure("engine_step", 0.034, 1, precision="bf16", variant="z1"),
+              figure("engine_micro", 0.050, 1, precision="bf16", variant="z2"),
+              figure("engine_step", 0.060, 1, precision="bf16", variant="z2"),
+              figure("engine_micro", 0.100, 1, precision="bf16", variant="z3"),
+              figure("engine_micro", 0.002, 1, precision="fp32", variant="z1"),
+              figure("engine_step", 0.005, 1, precision="fp32", variant="z1"))
+    probe = replace(two_rank_probe(), figures=two_rank_probe().figures + engine)
+    rates = profile_rates(hardware=replace(study.hardware, probe=probe))
+    # ZeRO-1's fp32 factor (2/4 ms) at ZeRO-2 and 3, each with its own stage's optimizer-step share (ZeRO-2: (60 −
+    # 50) / 50; ZeRO-3: no stepping figure, 0), not ZeRO-1's 1.5
+    assert sorted(rates.engine_factors) == [("fp32", 1, pytest.approx(0.5), pytest.approx(1.5)),
+                                            ("fp32", 2, pytest.approx(0.5), pytest.approx(0.2)),
+                                            ("fp32", 3, pytest.approx(0.5), 0.0)]
+    alone = replace(two_rank_probe(), figures=two_rank_probe().figures + engine[:5])  # no fp32 engine at all
+    assert profile_rates(hardware=replace(study.hardware, probe=alone)).engine_factors == ()
+    zero0 = (*engine[:5], figure("engine_micro", 0.004, 1, precision="bf16", variant="z0"),
+             figure("engine_micro", 0.008, 1, precision="fp32", variant="z0"))  # fp32 timed at ZeRO-0 alone
+    rates = profile_rates(hardware=replace(study.hardware, probe=replace(two_rank_probe(), figures=(
+        two_rank_probe().figures + zero0))))
+    assert [stage for _, stage, _, _ in rates.engine_factors] == [0]  # ZeRO-0's bare optimizer lends to none

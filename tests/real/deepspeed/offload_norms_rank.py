@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from launchers.measure.cpu_memory import CpuProfiler, count_every_thread, start_cpu_profiler
 from launchers.models.builtin import build_workload
+from launchers.process.collector import end_rank
 
 NORM = "dsopt.norm"
 STEP = "dsopt.step"
@@ -146,3 +147,4 @@ def main() -> None:
 
 
 main()
+end_rank(0)  # no interpreter teardown, as the trials' ranks end (launchers/process/collector.py)

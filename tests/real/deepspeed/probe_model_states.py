@@ -114,3 +114,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()  # no interpreter teardown, as the trials' ranks end (launchers/process/collector.py end_rank):
+    sys.stderr.flush()  # gloo's threads may abort it after the work is done ("terminate called without an active
+    os._exit(0)         # exception")
