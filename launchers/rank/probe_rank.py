@@ -29,8 +29,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from launchers.rank.probe_pass import pass_figures, reason
-
 ROUNDS = 3
 """Timed rounds per operation and rank (the figure: the slowest rank's median)."""
 ENGINE_ROUNDS = ROUNDS
@@ -262,6 +260,8 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
     import deepspeed.comm as dist
     import torch
 
+    from launchers.rank.probe_pass import pass_figures
+
     cuda = plan["accelerator"] == "cuda"
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
@@ -276,7 +276,8 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
         try:
             figures.append({**what, "rounds_s": rounds()})
         except Exception as err:  # an operation this machine cannot run is a finding, not a crash
-            skipped.append({"what": " ".join(str(v) for v in what.values() if v), "why": reason(err)})
+            skipped.append({"what": " ".join(str(v) for v in what.values() if v), "why": f"{type(err).__name__}: "
+                            f"{str(err).splitlines()[0][:200] if str(err) else ''}"})
 
     for precision in plan["precisions"]:
         for micro_batch in plan["micro_batches"]:
@@ -328,7 +329,8 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
             figures += timed
             skipped += missed
         except Exception as err:  # a model that cannot be built here is a finding: the GEMM figures stand alone
-            skipped.append({"what": f"model pass {model_pass['precision']}", "why": reason(err)})
+            skipped.append({"what": f"model pass {model_pass['precision']}",
+                            "why": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"})
     for engine in plan.get("engines", ()):
         checkpointed = "" if engine["checkpointing"] == "none" else f" ckpt={engine['checkpointing']}"
         variant = f"z{engine['stage']}{checkpointed}"
@@ -338,7 +340,8 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
         try:
             accumulating, stepping = engine_rounds(timer, engine, device=device)
         except Exception as err:  # a stage this machine cannot run (fp16 on a CPU without it) is a finding
-            skipped.append({"what": f"engine {variant} {precision}", "why": reason(err)})
+            skipped.append({"what": f"engine {variant} {precision}",
+                            "why": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"})
             continue
         if cuda:  # the engine's device memory before the next one is built (ZeRO-3's hooks hold it in cycles); on
             gc.collect()  # CPU ranks a skeleton's few MB wait for Python's own collection (each collect: ~0.1 s)
