@@ -56,10 +56,10 @@ SWITCH_VAR = "DSOPT_PROBE"
 suite sets it but for the tests of the probe, so that a probe is paid where it is tested."""
 LOCK_NAME = "dsopt-probe.lock"
 """The node lock's file, in ``TORCH_EXTENSIONS_DIR`` (beside the ops' lock, :mod:`launchers.study.op_prep`)."""
-CODE = ("launchers.rank.probe_rank", "launchers.rank.probe_pass", "optimizer.perf.probe_plan",
-        "optimizer.perf.skeleton", "optimizer.perf.model_pass", "optimizer.study.machine_probe",
-        "launchers.models.builtin", "launchers.models.hf_model", "launchers.models.four_bit",
-        "launchers.models.trainable")
+CODE = ("launchers.rank.probe_rank", "launchers.rank.probe_pass", "launchers.rank.probe_engine",
+        "optimizer.perf.probe_plan", "optimizer.perf.skeleton", "optimizer.perf.model_pass",
+        "optimizer.study.machine_probe", "launchers.models.builtin", "launchers.models.hf_model",
+        "launchers.models.four_bit", "launchers.models.trainable")
 """The modules whose source is in the cache key: an edit to what is timed or how (the model passes and the skeleton
 are built by the trials' own model code) probes again."""
 

@@ -2,15 +2,15 @@
 study's shapes (:mod:`optimizer.perf.probe_plan` says what, :mod:`launchers.probe.machine` starts the ranks and
 merges what they write).
 
-Every rank times the same operations at the same moment, as training runs them: the node's ranks share its cores,
-memory bandwidth and links (on CPU ranks each rank gets ``OMP_NUM_THREADS = cores / ranks``, as a trial's do).
-Each operation runs once to warm up, then ``ROUNDS`` rounds; a round repeats it until it has run at least
-``ROUND_S`` (the count fixed by the warm-up, and for collectives agreed by all ranks — rank 0's — so that none
-waits on a call the others never make). A CUDA round is timed with CUDA events around the repetitions, a CPU round
-with ``time.perf_counter``. The collectives go through ``deepspeed.comm`` — DeepSpeed's own backend choice, as the
+Every rank times the same operations at the same moment, as training runs them: the node's ranks share its cores, memory
+bandwidth and links (on CPU ranks each rank gets ``OMP_NUM_THREADS = cores / ranks``, as a trial's do). Each operation
+runs once to warm up, then ``ROUNDS`` rounds; a round repeats it until it has run at least ``ROUND_S`` (the count fixed
+by the warm-up, and for collectives agreed by all ranks — rank 0's — so that none waits on a call the others never make;
+a GEMM figure's shapes share one ``ROUND_S``). A CUDA round is timed with CUDA events around the repetitions, a CPU
+round with ``time.perf_counter``. The collectives go through ``deepspeed.comm`` — DeepSpeed's own backend choice, as the
 engine's collectives do (gloo, or its shared-memory all-reduce on CPU ranks; NCCL on GPUs). Last, DeepSpeed's engine
-itself at each ZeRO stage of the space (the other precisions at fewer, ``engine_other_stages``), on the study's model
-at a tiny width (:func:`engine_rounds`), after the study's model's own forward and backward at its width
+itself at each ZeRO stage of the space (the other precisions at fewer, ``engine_other_stages``), on the study's model at
+a tiny width (:mod:`launchers.rank.probe_engine`), after the study's model's own forward and backward at its width
 (:mod:`launchers.rank.probe_pass`). Rank k writes ``rank<k>.json`` (``probe_rank<k>.json`` where the probe ends a
 trial's launch, :func:`after_trial`): per figure its kind, precision, micro-batch, variant, work and seconds per run of
 each round; an operation the machine cannot run is written as skipped with the reason, never a crash of the probe.
@@ -74,25 +74,29 @@ class Timer:
             op()
         return time.perf_counter() - begin
 
-    def repeats_for(self, op: Callable[[], object]) -> int:
-        """Repetitions that make a round last :data:`ROUND_S` (one warm-up run, then one timed)."""
+    def repeats_for(self, op: Callable[[], object], *, round_s: float = ROUND_S) -> int:
+        """Repetitions that make a round last ``round_s`` (one warm-up run, then one timed)."""
         op()
         one = max(self.once(op, 1), 1e-7)
-        return max(1, min(MAX_REPEATS, math.ceil(ROUND_S / one)))
+        return max(1, min(MAX_REPEATS, math.ceil(round_s / one)))
 
-    def rounds(self, op: Callable[[], object], *, repeats: int | None = None) -> list[float]:
-        """Seconds per run of ``op`` in each of :data:`ROUNDS` rounds."""
-        repeats = repeats or self.repeats_for(op)
+    def rounds(self, op: Callable[[], object], *, repeats: int | None = None,
+               round_s: float = ROUND_S) -> list[float]:
+        """Seconds per run of ``op`` in each of :data:`ROUNDS` rounds of at least ``round_s``."""
+        repeats = repeats or self.repeats_for(op, round_s=round_s)
         return [self.once(op, repeats) / repeats for _ in range(ROUNDS)]
 
 
 def gemm_rounds(timer: Timer, plan: dict[str, Any], *, device: Any, precision: str, micro_batch: int) -> list[float]:
     """Per round: Σ over the model's weight shapes of count × (forward X·Wᵀ + input gradient dY·W + weight gradient
-    dYᵀ·X) at T = micro-batch × rows × s tokens (:mod:`optimizer.perf.probe_plan`)."""
+    dYᵀ·X) at T = micro-batch × rows × s tokens (:mod:`optimizer.perf.probe_plan`). One figure's round is one
+    :data:`ROUND_S` shared by its shapes (each shape's rounds last ``ROUND_S / shapes``): the sum's noise is that of
+    one round's time, and a model of five shapes costs the probe one figure's time, not five."""
     torch = timer.torch
     dtype = dtype_of(precision)
     tokens = micro_batch * plan["rows_per_sample"] * plan["sequence_length"]
     total = [0.0] * ROUNDS
+    round_s = ROUND_S / max(1, len(plan["gemm_shapes"]))
     for fan_in, fan_out, count in plan["gemm_shapes"]:
         timed = timed_share(tokens, row_bytes=(2 * fan_in + 2 * fan_out) * dtype.itemsize)
         x = torch.randn(timed, fan_in, device=device, dtype=dtype)
@@ -104,7 +108,7 @@ def gemm_rounds(timer: Timer, plan: dict[str, Any], *, device: Any, precision: s
             torch.matmul(dy, w)
             torch.matmul(dy.t(), x)
 
-        for index, seconds in enumerate(timer.rounds(trio)):
+        for index, seconds in enumerate(timer.rounds(trio, round_s=round_s)):
             total[index] += count * seconds * tokens / timed
     return total
 
@@ -216,50 +220,28 @@ def collective_rounds(timer: Timer, *, kind: str, size: int, device: Any, ranks:
     return timer.rounds(op, repeats=int(count.item()))
 
 
-def engine_rounds(timer: Timer, engine: dict[str, Any], *, device: Any) -> tuple[list[float], list[float]]:
-    """Per round, seconds of a micro-step that only accumulates and of one that steps the optimizer (``engine``:
-    a skeleton's rank plan with 2 micro-steps per step, :mod:`optimizer.perf.skeleton`), on DeepSpeed's engine
-    built as a trial's is (:func:`launchers.models.builtin.build_workload`, ``deepspeed.initialize``). One step
-    warms it up first (it builds the buckets and, at ZeRO-3, traces the module order the prefetch follows). Every rank
-    runs the same calls: they are collectives."""
-    import deepspeed
-    import deepspeed.comm as dist
+def run(plan: dict[str, Any], *, begin: float | None = None) -> dict[str, Any]:
+    """Every operation of ``plan`` on this rank (module doc); the rank's report, its ``seconds`` counted from
+    ``begin`` (``time.perf_counter``; by default from the process group's start).
 
-    from launchers.models.builtin import build_workload
-
-    config = engine["config"]
-    model, batch_fn = build_workload(model_spec=engine["model"], checkpointing=engine["checkpointing"],
-                                     sequence_length=engine["sequence_length"], seed=engine["seed"], entry_point=None,
-                                     construction=engine["construction"], ds_config=config, device=device)
-    trained, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
-                                                                      if p.requires_grad], config=config)
-    rows = int(engine["model"].get("sequences_per_sample", 1))
-    first = dist.get_rank() * rows
-    batch = batch_fn(0, list(range(first, first + rows))).to(trained.device)
-
-    def micro_step() -> None:
-        trained.backward(trained(batch))
-        trained.step()
-
-    for _ in range(config["gradient_accumulation_steps"]):
-        micro_step()
-    accumulating, stepping = [], []
-    gc.freeze()  # the heap so far out of any collection in the rounds: a full one (~0.2 s) is a trial's warm-up's
-    try:  # cost, not a micro-step's (launchers/measure/gc_pauses.py); no collect here: ~0.1 s per engine
-        for _ in range(ENGINE_ROUNDS):
-            dist.barrier()
-            accumulating.append(timer.once(micro_step, 1))
-            stepping.append(timer.once(micro_step, 1))
+    The heap the probe finds (torch, DeepSpeed, ``transformers``: millions of objects) is frozen for its whole run
+    (``gc.freeze``, thawed at its end): a cyclic collection — CPython's automatic ones, the rounds', the one that frees
+    a model pass — walks only what the probe made since, milliseconds where a full one takes ~0.1 s on this project's
+    2-core Xeon (:mod:`launchers.measure.gc_pauses`), and none falls into an engine's timed micro-steps at a full
+    one's cost (a trial's measured steps see the same frozen heap)."""
+    gc.freeze()
+    try:
+        return probe_all(plan, begin=begin)
     finally:
-        gc.unfreeze()  # the engine's cycles collectable again (the CUDA branch frees them before the next engine)
-    return accumulating, stepping
+        gc.unfreeze()
 
 
-def run(plan: dict[str, Any]) -> dict[str, Any]:
-    """Every operation of ``plan`` on this rank (module doc); the rank's report."""
+def probe_all(plan: dict[str, Any], *, begin: float | None) -> dict[str, Any]:
+    """:func:`run`'s operations, the heap frozen."""
     import deepspeed.comm as dist
     import torch
 
+    from launchers.rank.probe_engine import engines_timed
     from launchers.rank.probe_pass import pass_figures
 
     cuda = plan["accelerator"] == "cuda"
@@ -269,7 +251,7 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.set_device(device)
     dist.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
     timer, figures, skipped = Timer(device), [], []
-    begin = time.perf_counter()
+    begin = time.perf_counter() if begin is None else begin
 
     def measure(what: dict[str, Any], rounds: Callable[[], list[float]]) -> None:
         dist.barrier()
@@ -331,23 +313,10 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
         except Exception as err:  # a model that cannot be built here is a finding: the GEMM figures stand alone
             skipped.append({"what": f"model pass {model_pass['precision']}",
                             "why": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"})
-    for engine in plan.get("engines", ()):
-        checkpointed = "" if engine["checkpointing"] == "none" else f" ckpt={engine['checkpointing']}"
-        variant = f"z{engine['stage']}{checkpointed}"
-        precision = engine.get("precision", plan["engine_precision"])
-        what = {"precision": precision, "variant": variant, "work": 1}
-        dist.barrier()
-        try:
-            accumulating, stepping = engine_rounds(timer, engine, device=device)
-        except Exception as err:  # a stage this machine cannot run (fp16 on a CPU without it) is a finding
-            skipped.append({"what": f"engine {variant} {precision}",
-                            "why": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"})
-            continue
-        if cuda:  # the engine's device memory before the next one is built (ZeRO-3's hooks hold it in cycles); on
-            gc.collect()  # CPU ranks a skeleton's few MB wait for Python's own collection (each collect: ~0.1 s)
-            torch.cuda.empty_cache()
-        figures.append({"kind": "engine_micro", **what, "rounds_s": accumulating})
-        figures.append({"kind": "engine_step", **what, "rounds_s": stepping})
+    engine_figures, engine_skipped = engines_timed(timer.once, plan.get("engines", ()), rounds=ENGINE_ROUNDS,
+                                                   precision=plan.get("engine_precision", ""), device=device)
+    figures += engine_figures
+    skipped += engine_skipped
     dist.barrier()
     return {"rank": dist.get_rank(), "seconds": time.perf_counter() - begin, "figures": figures, "skipped": skipped}
 
@@ -367,12 +336,13 @@ def after_trial(plan: dict[str, Any], out_dir: Path) -> None:
     collective): the trial's report stands (:func:`launchers.trial.run.run_trial` keeps it)."""
     import torch
 
+    begin = time.perf_counter()  # the probe's clock counts the collection that frees the trial (~0.1 s on CPU ranks)
     gc.collect()
     if torch.cuda.is_available() and plan["accelerator"] == "cuda":
         torch.cuda.empty_cache()
     rank = int(os.environ.get("RANK", "0"))
     try:
-        report = run(plan)
+        report = run(plan, begin=begin)
     except Exception as err:  # the trial stands; the study probes again on its own launch
         write_report({"rank": rank, "error": f"{type(err).__name__}: {str(err)[:500]}"},
                      out_dir / f"probe_rank{rank}.json")

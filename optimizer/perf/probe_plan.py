@@ -18,11 +18,11 @@ probe answers for *this* model on *this* machine, not for a datasheet's ideal GE
   device-memory bandwidth where the model has a 4-bit base (its dequantization, :mod:`optimizer.perf.four_bit_work`).
 * **collectives** across the node's ranks: all-reduce and reduce-scatter at the gradient bucket
   (``reduce_bucket_size``, :mod:`optimizer.deepspeed.zero_settings`), all-gather at the ZeRO-1/2 gather bucket and
-  at ZeRO-3's prefetch bucket, each also at :data:`WIDE_BYTES`: the time model's seconds per byte is the slope
-  between the two (:func:`collective_beta`), since how many calls a stage makes — one all-reduce of every
-  gradient at ZeRO-0, one per bucket at ZeRO-1/2, one per module at ZeRO-3 — is not in its byte count, and a
-  bucket-sized call on CPU ranks is mostly its latency (gloo: ~1 ms for 8 kB, which priced per byte would make
-  ZeRO-0's one all-reduce 20× too slow).
+  at ZeRO-3's prefetch bucket, each also at :data:`WIDE_BYTES` (CPU ranks: :data:`WIDE_BYTES_CPU`): the time
+  model's seconds per byte is the slope between the two (:func:`collective_beta`), since how many calls a stage
+  makes — one all-reduce of every gradient at ZeRO-0, one per bucket at ZeRO-1/2, one per module at ZeRO-3 — is not
+  in its byte count, and a bucket-sized call on CPU ranks is mostly its latency (gloo: ~1 ms for 8 kB, which priced
+  per byte would make ZeRO-0's one all-reduce 20× too slow).
 * **NVMe**: write and read at ``hardware.nvme_path`` where the space offloads to NVMe.
 * **the model's own pass**: its forward and backward with autograd alone, at most :data:`PASS_LAYERS` blocks deep at its
   own width, in each precision at each micro-batch and once on one row of a few tokens
@@ -63,6 +63,10 @@ PASS_LAYERS = 2
 WIDE_BYTES = 16 << 20
 """A collective wide enough that its time is mostly bandwidth: with the bucket-sized one it separates the latency α
 of a call from the seconds per byte β (Hockney's t = α + n·β; :func:`collective_beta`)."""
+WIDE_BYTES_CPU = 4 << 20
+"""The same on CPU ranks, where 4 MB is already mostly bandwidth (gloo on this project's 2-core Xeon, 2 ranks: an
+8 kB all-reduce ~0.6 ms, 16 MB ~13 ms, 0.8–1.3 GB/s) and nearer the gradients such a study moves (a CPU study's
+model has a few MB of them); each wide call costs a CPU probe 4× less (the three: ~0.3 → ~0.1 s)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,11 +101,11 @@ class ProbePlan:
     memory_bytes: int
     """Bytes of a device-memory copy timed (0: no 4-bit base)."""
     reduce_bytes: tuple[int, ...]
-    """Bytes of each all-reduce and reduce-scatter timed: the gradient bucket and :data:`WIDE_BYTES` (empty: one
-    rank)."""
+    """Bytes of each all-reduce and reduce-scatter timed: the gradient bucket and :data:`WIDE_BYTES` (CPU ranks:
+    :data:`WIDE_BYTES_CPU`; empty: one rank)."""
     gather_bytes: tuple[int, ...]
-    """Bytes of each all-gather timed: ZeRO-1/2's bucket, ZeRO-3's prefetch bucket and :data:`WIDE_BYTES` (empty:
-    one rank)."""
+    """Bytes of each all-gather timed: ZeRO-1/2's bucket, ZeRO-3's prefetch bucket and :data:`WIDE_BYTES` (CPU
+    ranks: :data:`WIDE_BYTES_CPU`; empty: one rank)."""
     nvme_path: str | None
     """Folder of the NVMe reads and writes (None: the space does not offload to NVMe)."""
     nvme_bytes: int
@@ -202,16 +206,17 @@ def probe_plan(spec: StudySpec) -> ProbePlan:
     stages = {c.zero_stage for c in candidates}
     gather: list[int] = []
     reduce_bytes: tuple[int, ...] = ()
+    wide = WIDE_BYTES_CPU if cpu else WIDE_BYTES
     if hardware.world_size > 1:
         settings = zero_settings(model=model, stage=ZeroStage.GRADIENTS)
-        reduce_bytes = tuple(sorted({min(settings.reduce_bucket_elements, trainable, cap) * b, WIDE_BYTES}))
+        reduce_bytes = tuple(sorted({min(settings.reduce_bucket_elements, trainable, cap) * b, wide}))
         if stages & {ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS}:
             gather.append(min(settings.allgather_bucket_elements, trainable, cap) * b)
         if ZeroStage.PARAMETERS in stages:
             gather.append(min(zero_settings(model=model, stage=ZeroStage.PARAMETERS).prefetch_bucket_elements,
                               cap) * b)
         if gather:  # the stages that gather: a wide one too (β)
-            gather.append(WIDE_BYTES)
+            gather.append(wide)
     four_bit = four_bit_weights(model).elements > 0
     skeleton = skeleton_model(model)
     half = [p for p in precisions if p != Precision.FP32.value]

@@ -64,6 +64,43 @@ def test_cuda_branch_reads_event_milliseconds_as_seconds_per_run(monkeypatch):
     assert probe_rank.MAX_REPEATS >= 1
 
 
+def test_a_gemm_figures_shapes_share_one_round(monkeypatch):
+    timer = Timer(torch.device("cpu"))
+    asked = []
+    real = Timer.rounds
+
+    def rounds(self, op, *, repeats=None, round_s=ROUND_S):
+        asked.append(round_s)
+        return real(self, op, repeats=repeats, round_s=round_s)
+
+    monkeypatch.setattr(Timer, "rounds", rounds)
+    gemm_rounds(timer, PLAN, device=torch.device("cpu"), precision="fp32", micro_batch=1)
+    assert asked == [pytest.approx(ROUND_S / len(PLAN["gemm_shapes"]))] * len(PLAN["gemm_shapes"])
+    asked.clear()
+    attention_rounds(timer, {**PLAN, "eager_attention": True}, device=torch.device("cpu"), precision="fp32",
+                     micro_batch=1)
+    assert asked == [ROUND_S]  # one operation: a round of its own
+
+
+def test_the_probe_runs_on_a_frozen_heap_and_thaws_it(monkeypatch):
+    import gc
+
+    seen = []
+    monkeypatch.setattr(probe_rank, "probe_all", lambda plan, *, begin: seen.append((gc.get_freeze_count(), begin)))
+    before = gc.get_freeze_count()
+    probe_rank.run({}, begin=1.5)
+    assert seen[0][0] > before and seen[0][1] == 1.5  # everything alive before the probe is out of its collections
+    assert gc.get_freeze_count() == 0  # thawed: a trial's engine cycles collectable again
+
+    def fails(plan, *, begin):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(probe_rank, "probe_all", fails)
+    with pytest.raises(RuntimeError):
+        probe_rank.run({})
+    assert gc.get_freeze_count() == 0
+
+
 def test_wide_operations_are_timed_on_fewer_rows_and_scaled_back(monkeypatch):
     assert probe_rank.timed_share(8, row_bytes=100) == 8  # small: every row
     monkeypatch.setattr(probe_rank, "MAX_TENSOR_BYTES", 1000)

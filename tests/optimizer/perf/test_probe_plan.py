@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from optimizer.perf.calibration import TimeSample, fit_rates
-from optimizer.perf.probe_plan import MAX_ELEMENTS_CPU, gemm_shapes, probe_plan
+from optimizer.perf.probe_plan import MAX_ELEMENTS_CPU, WIDE_BYTES, WIDE_BYTES_CPU, gemm_shapes, probe_plan
 from optimizer.perf.throughput import FEATURES, Rates, predict, profile_rates, work
 from optimizer.study.hardware_profiles import profile_named
 from optimizer.study.knobs import NoCheckpointing, Precision, ZeroStage, with_knobs
@@ -53,6 +53,15 @@ def test_plan_follows_the_space():
     one = replace(narrow, hardware=replace(narrow.hardware, gpus_per_node=1))
     assert probe_plan(one).reduce_bytes == () == probe_plan(one).gather_bytes  # one rank: no collective to time
     assert probe_plan(study).device_adam_elements <= MAX_ELEMENTS_CPU
+
+
+def test_the_wide_collective_is_narrower_on_cpu_ranks():
+    cpu = load_study(ROOT / "studies" / "grid-cpu.yaml")
+    assert max(probe_plan(cpu).reduce_bytes) == WIDE_BYTES_CPU == max(probe_plan(cpu).gather_bytes)
+    gpus = load_study(ROOT / "studies" / "llama-7b-8xh100.yaml")
+    assert gpus.hardware.accelerator.value == "cuda"
+    assert max(probe_plan(gpus).reduce_bytes) >= WIDE_BYTES and WIDE_BYTES in probe_plan(gpus).gather_bytes
+    assert WIDE_BYTES_CPU < WIDE_BYTES
 
 
 def test_plan_counts_flops_as_the_time_model_does():
