@@ -5,9 +5,10 @@ engine is. Called by :func:`launchers.rank.probe_rank.run` last, after the kerne
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from launchers.measure.gc_pauses import settle_heap
 
 Once = Callable[[Callable[[], object], int], float]
 """Seconds of ``repeats`` runs of an operation in a row (:meth:`launchers.rank.probe_rank.Timer.once`)."""
@@ -42,7 +43,7 @@ def engine_rounds(once: Once, engine: dict[str, Any], *, rounds: int,
     for _ in range(config["gradient_accumulation_steps"]):
         micro_step()
     accumulating, stepping = [], []
-    for _ in range(rounds):  # a collection here walks the probe's own objects only (probe_rank.run's frozen heap)
+    for _ in range(rounds):  # no collection falls here: the probe runs with automatic collection off (probe_rank.run)
         dist.barrier()
         accumulating.append(once(micro_step, 1))
         stepping.append(once(micro_step, 1))
@@ -70,9 +71,10 @@ def engines_timed(once: Once, engines: Sequence[dict[str, Any]], *, rounds: int,
             skipped.append({"what": f"engine {variant} {what['precision']}",
                             "why": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"})
             continue
-        if device.type == "cuda":  # the engine's device memory before the next one is built (ZeRO-3's hooks hold it
-            gc.collect()  # in cycles); on CPU ranks a skeleton's few MB wait for Python's own collection
-            torch.cuda.empty_cache()
+        finally:  # the engine freed before the next one is built (ZeRO-3's hooks hold it in cycles; its device memory
+            settle_heap()  # on GPUs), by a collection of what the probe made since its last one (probe_rank.run)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         figures.append({"kind": "engine_micro", **what, "rounds_s": accumulating})
         figures.append({"kind": "engine_step", **what, "rounds_s": stepping})
     return figures, skipped

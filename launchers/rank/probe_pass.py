@@ -10,9 +10,10 @@ micro-steps.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from typing import Any
+
+from launchers.measure.gc_pauses import settle_heap
 
 
 def cast_as_deepspeed(model: Any, precision: str) -> None:
@@ -70,7 +71,7 @@ def pass_figures(rounds: Callable[[Callable[[], object]], list[float]], plan: di
             figures.append({"kind": "pass", "precision": plan["precision"], "micro_batch": one["micro_batch"],
                             "variant": one["variant"], "work": flops, "terms": one["terms"], "rounds_s": seconds})
     del model
-    gc.collect()
+    settle_heap()  # the model freed, what its build imported frozen (launchers.rank.probe_rank.run)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return figures, skipped

@@ -224,16 +224,23 @@ def run(plan: dict[str, Any], *, begin: float | None = None) -> dict[str, Any]:
     """Every operation of ``plan`` on this rank (module doc); the rank's report, its ``seconds`` counted from
     ``begin`` (``time.perf_counter``; by default from the process group's start).
 
-    The heap the probe finds (torch, DeepSpeed, ``transformers``: millions of objects) is frozen for its whole run
-    (``gc.freeze``, thawed at its end): a cyclic collection — CPython's automatic ones, the rounds', the one that frees
-    a model pass — walks only what the probe made since, milliseconds where a full one takes ~0.1 s on this project's
-    2-core Xeon (:mod:`launchers.measure.gc_pauses`), and none falls into an engine's timed micro-steps at a full
-    one's cost (a trial's measured steps see the same frozen heap)."""
+    The probe runs with CPython's automatic collection off and the heap it finds (torch, DeepSpeed,
+    ``transformers``: millions of objects) frozen (``gc.freeze``); both are restored at its end. A model pass or an
+    engine, once timed, is freed by one collection that walks only what the probe made since the last freeze, and what
+    survives it (the modules its build imported: bitsandbytes, sympy) is frozen in turn
+    (:func:`launchers.measure.gc_pauses.settle_heap`). So no collection falls into a timed round, and none walks the
+    old heap: a full one costs ~0.1 s on this project's 2-core Xeon (:mod:`launchers.measure.gc_pauses`), and with
+    the heap frozen but collection on, CPython's full collections came every ~0.7 s, each walking the growing young
+    heap (11 → 92 ms, into the engines' rounds: a QLoRA probe's ZeRO-0 micro-step read 21 ms against 13)."""
+    enabled = gc.isenabled()
+    gc.disable()
     gc.freeze()
     try:
         return probe_all(plan, begin=begin)
     finally:
         gc.unfreeze()
+        if enabled:
+            gc.enable()
 
 
 def probe_all(plan: dict[str, Any], *, begin: float | None) -> dict[str, Any]:

@@ -86,11 +86,14 @@ def test_the_probe_runs_on_a_frozen_heap_and_thaws_it(monkeypatch):
     import gc
 
     seen = []
-    monkeypatch.setattr(probe_rank, "probe_all", lambda plan, *, begin: seen.append((gc.get_freeze_count(), begin)))
+    monkeypatch.setattr(probe_rank, "probe_all",
+                        lambda plan, *, begin: seen.append((gc.get_freeze_count(), gc.isenabled(), begin)))
     before = gc.get_freeze_count()
+    assert gc.isenabled()
     probe_rank.run({}, begin=1.5)
-    assert seen[0][0] > before and seen[0][1] == 1.5  # everything alive before the probe is out of its collections
-    assert gc.get_freeze_count() == 0  # thawed: a trial's engine cycles collectable again
+    assert seen[0][0] > before and seen[0][2] == 1.5  # everything alive before the probe is out of its collections
+    assert not seen[0][1]  # and no automatic collection falls into a round
+    assert gc.get_freeze_count() == 0 and gc.isenabled()  # thawed, collecting again: a trial's cycles collectable
 
     def fails(plan, *, begin):
         raise RuntimeError("boom")
@@ -98,7 +101,7 @@ def test_the_probe_runs_on_a_frozen_heap_and_thaws_it(monkeypatch):
     monkeypatch.setattr(probe_rank, "probe_all", fails)
     with pytest.raises(RuntimeError):
         probe_rank.run({})
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
 
 
 def test_wide_operations_are_timed_on_fewer_rows_and_scaled_back(monkeypatch):
