@@ -295,8 +295,8 @@ def probe_all(plan: dict[str, Any], *, begin: float | None) -> dict[str, Any]:
                 lambda: timer.rounds(lambda: target.copy_(source)))
     ranks = dist.get_world_size()
     if ranks > 1:
-        for kind in ("all_reduce", "reduce_scatter"):
-            for size in plan["reduce_bytes"]:
+        for kind, sizes in (("all_reduce", plan["reduce_bytes"]), ("reduce_scatter", plan["scatter_bytes"])):
+            for size in sizes:
                 measure({"kind": kind, "variant": f"{size} B", "work": size},
                         lambda k=kind, s=size: collective_rounds(timer, kind=k, size=s, device=device, ranks=ranks))
         for size in plan["gather_bytes"]:

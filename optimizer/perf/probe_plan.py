@@ -18,11 +18,12 @@ probe answers for *this* model on *this* machine, not for a datasheet's ideal GE
   device-memory bandwidth where the model has a 4-bit base (its dequantization, :mod:`optimizer.perf.four_bit_work`).
 * **collectives** across the node's ranks: all-reduce and reduce-scatter at the gradient bucket
   (``reduce_bucket_size``, :mod:`optimizer.deepspeed.zero_settings`), all-gather at the ZeRO-1/2 gather bucket and
-  at ZeRO-3's prefetch bucket, each also at :data:`WIDE_BYTES` (CPU ranks: :data:`WIDE_BYTES_CPU`): the time
-  model's seconds per byte is the slope between the two (:func:`collective_beta`), since how many calls a stage
-  makes — one all-reduce of every gradient at ZeRO-0, one per bucket at ZeRO-1/2, one per module at ZeRO-3 — is not
-  in its byte count, and a bucket-sized call on CPU ranks is mostly its latency (gloo: ~1 ms for 8 kB, which priced
-  per byte would make ZeRO-0's one all-reduce 20× too slow).
+  at ZeRO-3's prefetch bucket (one of the two where they are within 2×), the all-reduce and all-gather also at
+  :data:`WIDE_BYTES` (CPU ranks: :data:`WIDE_BYTES_CPU`): the time model's seconds per byte is the slope between
+  the two (:func:`collective_beta`), since how many calls a stage makes — one all-reduce of every gradient at
+  ZeRO-0, one per bucket at ZeRO-1/2, one per module at ZeRO-3 — is not in its byte count, and a bucket-sized call
+  on CPU ranks is mostly its latency (gloo: ~1 ms for 8 kB, which priced per byte would make ZeRO-0's one
+  all-reduce 20× too slow).
 * **NVMe**: write and read at ``hardware.nvme_path`` where the space offloads to NVMe.
 * **the model's own pass**: its forward and backward with autograd alone, at most :data:`PASS_LAYERS` blocks deep at its
   own width, in each precision at each micro-batch and once on one row of a few tokens
@@ -101,11 +102,15 @@ class ProbePlan:
     memory_bytes: int
     """Bytes of a device-memory copy timed (0: no 4-bit base)."""
     reduce_bytes: tuple[int, ...]
-    """Bytes of each all-reduce and reduce-scatter timed: the gradient bucket and :data:`WIDE_BYTES` (CPU ranks:
+    """Bytes of each all-reduce timed: the gradient bucket and :data:`WIDE_BYTES` (CPU ranks:
     :data:`WIDE_BYTES_CPU`; empty: one rank)."""
+    scatter_bytes: tuple[int, ...]
+    """Bytes of each reduce-scatter timed: the gradient bucket (no wide one: the time model prices no
+    reduce-scatter per byte, the all-reduce's slope stands for ZeRO 0–2's reduction; empty: one rank)."""
     gather_bytes: tuple[int, ...]
-    """Bytes of each all-gather timed: ZeRO-1/2's bucket, ZeRO-3's prefetch bucket and :data:`WIDE_BYTES` (CPU
-    ranks: :data:`WIDE_BYTES_CPU`; empty: one rank)."""
+    """Bytes of each all-gather timed: ZeRO-1/2's bucket and ZeRO-3's prefetch bucket — one of the two where they
+    are within 2× of each other (:func:`distinct_sizes`) — and :data:`WIDE_BYTES` (CPU ranks:
+    :data:`WIDE_BYTES_CPU`; empty: one rank)."""
     nvme_path: str | None
     """Folder of the NVMe reads and writes (None: the space does not offload to NVMe)."""
     nvme_bytes: int
@@ -164,7 +169,8 @@ class ProbePlan:
                 "micro_batches": list(self.micro_batches), "device_adam_elements": self.device_adam_elements,
                 "host_adam_elements": self.host_adam_elements, "copy_bytes": self.copy_bytes,
                 "memory_bytes": self.memory_bytes, "reduce_bytes": list(self.reduce_bytes),
-                "gather_bytes": list(self.gather_bytes), "nvme_path": self.nvme_path, "nvme_bytes": self.nvme_bytes,
+                "scatter_bytes": list(self.scatter_bytes), "gather_bytes": list(self.gather_bytes),
+                "nvme_path": self.nvme_path, "nvme_bytes": self.nvme_bytes,
                 "engine_stages": list(self.engine_stages), "engine_precision": self.engine_precision,
                 "engine_others": list(self.engine_others), "engine_other_stages": list(self.engine_other_stages),
                 "engine_skipped": self.engine_skipped, "engine_recompute": self.engine_recompute,
@@ -184,6 +190,19 @@ def gemm_shapes(model: TransformerModel) -> tuple[tuple[int, int, int], ...]:
         counts[shape] = counts.get(shape, 0) + n * L
     counts[(h, model.vocab_size)] = counts.get((h, model.vocab_size), 0) + 1
     return tuple((fan_in, fan_out, n) for (fan_in, fan_out), n in counts.items())
+
+
+def distinct_sizes(sizes: list[int]) -> tuple[int, ...]:
+    """``sizes`` ascending, the smallest and the widest always, each between them dropped that is within 2× of the
+    last one kept (7,372 and 8,192 B: ZeRO-3's prefetch bucket and ZeRO-1/2's gather bucket of a small model): a
+    collective's time is α + n·β, and a call that close to another tells the slope nothing the smallest and the
+    widest do not (:func:`collective_beta` reads those two)."""
+    ordered = sorted(set(sizes))
+    kept: list[int] = ordered[:1]
+    for size in ordered[1:-1]:
+        if size > 2 * kept[-1]:
+            kept.append(size)
+    return tuple(kept + ordered[-1:] if len(ordered) > 1 else kept)
 
 
 def probe_plan(spec: StudySpec) -> ProbePlan:
@@ -206,10 +225,12 @@ def probe_plan(spec: StudySpec) -> ProbePlan:
     stages = {c.zero_stage for c in candidates}
     gather: list[int] = []
     reduce_bytes: tuple[int, ...] = ()
+    scatter_bytes: tuple[int, ...] = ()
     wide = WIDE_BYTES_CPU if cpu else WIDE_BYTES
     if hardware.world_size > 1:
         settings = zero_settings(model=model, stage=ZeroStage.GRADIENTS)
-        reduce_bytes = tuple(sorted({min(settings.reduce_bucket_elements, trainable, cap) * b, wide}))
+        bucket = min(settings.reduce_bucket_elements, trainable, cap) * b
+        reduce_bytes, scatter_bytes = distinct_sizes([bucket, wide]), (bucket,)
         if stages & {ZeroStage.OPTIMIZER, ZeroStage.GRADIENTS}:
             gather.append(min(settings.allgather_bucket_elements, trainable, cap) * b)
         if ZeroStage.PARAMETERS in stages:
@@ -228,7 +249,8 @@ def probe_plan(spec: StudySpec) -> ProbePlan:
         device_adam_elements=min(trainable, cap), host_adam_elements=min(-(-trainable // hardware.world_size), cap)
         if offload_opt else 0,
         copy_bytes=min(-(-trainable // hardware.world_size), cap) * b if offload_any else 0,
-        memory_bytes=cap * 2 if four_bit else 0, reduce_bytes=reduce_bytes, gather_bytes=tuple(sorted(set(gather))),
+        memory_bytes=cap * 2 if four_bit else 0, reduce_bytes=reduce_bytes, scatter_bytes=scatter_bytes,
+        gather_bytes=distinct_sizes(gather),
         nvme_path=hardware.nvme_path if nvme else None, nvme_bytes=NVME_PROBE_BYTES if nvme else 0,
         engine_stages=() if isinstance(skeleton, str) else tuple(sorted(int(s) for s in stages)),
         engine_precision=(main := (half or list(precisions) or [Precision.FP32.value])[0]),

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from optimizer.perf.calibration import TimeSample, fit_rates
-from optimizer.perf.probe_plan import MAX_ELEMENTS_CPU, WIDE_BYTES, WIDE_BYTES_CPU, gemm_shapes, probe_plan
+from optimizer.perf.probe_plan import (
+    MAX_ELEMENTS_CPU,
+    WIDE_BYTES,
+    WIDE_BYTES_CPU,
+    distinct_sizes,
+    gemm_shapes,
+    probe_plan,
+)
 from optimizer.perf.throughput import FEATURES, Rates, predict, profile_rates, work
 from optimizer.study.hardware_profiles import profile_named
 from optimizer.study.knobs import NoCheckpointing, Precision, ZeroStage, with_knobs
@@ -43,7 +50,8 @@ def test_plan_follows_the_space():
     assert plan.ranks == 2 and plan.accelerator == "cpu" and plan.eager_attention  # grid-cpu: attention: eager
     assert plan.host_adam_elements > 0 and plan.copy_bytes > 0  # offload_optimizer: [none, cpu]
     assert len(plan.reduce_bytes) == 2  # the gradient bucket and a wide one (β: the slope between them)
-    assert len(plan.gather_bytes) == 3  # ZeRO-1/2's gather bucket, ZeRO-3's prefetch bucket, a wide one
+    assert plan.scatter_bytes == (min(plan.reduce_bytes),)  # the bucket: the time model reads no reduce-scatter β
+    assert len(plan.gather_bytes) == 2  # ZeRO-3's prefetch bucket (ZeRO-1/2's within 2× of it), a wide one
     assert plan.nvme_path is None and plan.memory_bytes == 0
     narrow = replace(study, search_space=replace(study.search_space, values=(
         ("zero_stage", (ZeroStage.DISABLED,)), ("precision", (Precision.FP32,)))))
@@ -53,6 +61,13 @@ def test_plan_follows_the_space():
     one = replace(narrow, hardware=replace(narrow.hardware, gpus_per_node=1))
     assert probe_plan(one).reduce_bytes == () == probe_plan(one).gather_bytes  # one rank: no collective to time
     assert probe_plan(study).device_adam_elements <= MAX_ELEMENTS_CPU
+
+
+def test_collective_sizes_within_twice_of_each_other_are_timed_once():
+    assert distinct_sizes([8192, 4 << 20, 7372]) == (7372, 4 << 20)
+    assert distinct_sizes([100, 200, 201, 401, 402, 403]) == (100, 201, 403)  # each against the last one kept
+    assert distinct_sizes([3 << 20, 4 << 20]) == (3 << 20, 4 << 20)  # the smallest and the widest: always (β)
+    assert distinct_sizes([5, 5]) == (5,) and distinct_sizes([]) == ()
 
 
 def test_the_wide_collective_is_narrower_on_cpu_ranks():
