@@ -17,8 +17,9 @@ one sample of a few tokens (a DPO pair's two rows; :func:`intercept_tokens`): th
 every module's forward and backward that the engine's skeleton already counts (:mod:`optimizer.perf.skeleton`), and a
 4-bit base's dequantization, once per matmul whatever the tokens (:mod:`optimizer.perf.four_bit_work`). Each
 timing carries the time model's count of its work (:func:`pass_terms`); with p the seconds the probe's GEMM figures
-give that work, the pass's factor is the slope k = (t − t₀) / (p − p₀) between the pass and the intercept
-(:func:`optimizer.perf.probed_rates.pass_factors`): how much longer than its GEMMs the pass's per-token work runs. The
+give that work, the pass's factor is k = (t̂ − t̂₀) / (p − p₀) between the pass and the intercept, t̂ a least-squares
+fit t = a + p + c·FLOPs over the precision's passes (:func:`optimizer.perf.probed_rates.pass_factors`): how much
+longer than its GEMMs the pass's per-token work runs. The
 time model scales a candidate's FLOPs by it (:attr:`optimizer.perf.rates.Rates.pass_factors`; the dequantization,
 in pass and intercept alike, is not in the slope), and calibration keeps it as a shape, as it keeps the
 per-micro-batch GEMM factors. A reference model's forward (DPO) and recomputed forwards are scaled by the same

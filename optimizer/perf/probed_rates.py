@@ -125,21 +125,38 @@ def priced(figure: ProbeFigure, *, seconds: list[float | None], flop_factors: li
 
 def pass_factors(probe: MachineProbe, *, seconds: list[float | None], flop_factors: list[tuple[str, int, float]],
                  half: str) -> tuple[tuple[str, int, float], ...]:
-    """(precision, micro-batch, factor) of each timed pass (:mod:`optimizer.perf.model_pass`): the slope
-    k = (t − t₀) / (p − p₀) between the pass at that micro-batch and the precision's intercept, t the seconds timed and
-    p those :func:`priced` gives the pass's work. A precision without an intercept, a work no figure prices, or a
-    slope that is not positive gives no factor: the GEMM figures stand alone there."""
+    """(precision, micro-batch, factor) of each timed pass (:mod:`optimizer.perf.model_pass`): k = (t̂ − t̂₀) / (p − p₀)
+    between the pass at that micro-batch and the precision's intercept, p the seconds :func:`priced` gives a pass's
+    work and t̂ the fit t = a + p + c·F of every pass of the precision, the intercept's included (least squares in
+    a, a call's cost, and c, the seconds per FLOP the pass runs beyond its GEMMs — its per-token work, F ∝ tokens):
+    k = 1 + c·(F − F₀) / (p − p₀). The fit keeps the factor's shape over the micro-batches, which the GEMMs' own
+    (their rate grows with the micro-batch, the per-token work's does not: fp32 factors 1.03 / 1.12 / 1.18 at
+    micro-batch 1 / 2 / 4 on grid-llama-cpu), and drops the noise of a slope between two timings of a few ms each:
+    taken pass by pass, t − t₀ over p − p₀, grid-llama-cpu's fp32 factor at micro-batch 1 read 0.77–1.40 on eight
+    probes of one evening, and one of them priced its best candidate 13th (docs/benchmarks.md, "The probe's cost,
+    cut"). A precision without an intercept, a work no figure prices, or a factor that is not positive gives no
+    factor: the GEMM figures stand alone there."""
     out: list[tuple[str, int, float]] = []
-    for figure in probe.of_kind("pass"):
-        intercept = probe.find("pass", precision=figure.precision, variant=PASS_INTERCEPT)
-        if figure.variant or intercept is None:
+    for precision in sorted({f.precision for f in probe.of_kind("pass")}):
+        intercept = probe.find("pass", precision=precision, variant=PASS_INTERCEPT)
+        timed = [(f, priced(f, seconds=seconds, flop_factors=flop_factors, half=half))
+                 for f in probe.of_kind("pass") if f.precision == precision]
+        points = [(f.work, p, f.median_s) for f, p in timed if p is not None]
+        p0 = next((p for f, p in timed if f is intercept), None)
+        if intercept is None or p0 is None or len(points) < 2:
             continue
-        p, p0 = (priced(f, seconds=seconds, flop_factors=flop_factors, half=half) for f in (figure, intercept))
-        if p is None or p0 is None or p <= p0:
+        mean_f = sum(f for f, _, _ in points) / len(points)
+        mean_y = sum(t - p for _, p, t in points) / len(points)
+        spread = sum((f - mean_f) ** 2 for f, _, _ in points)
+        if spread <= 0:
             continue
-        k = (figure.median_s - intercept.median_s) / (p - p0)
-        if k > 0:
-            out.append((figure.precision, figure.micro_batch, k))
+        extra = sum((f - mean_f) * (t - p - mean_y) for f, p, t in points) / spread  # c: seconds per FLOP
+        for figure, p in timed:
+            if figure.variant or p is None or p <= p0:
+                continue
+            k = 1 + extra * (figure.work - intercept.work) / (p - p0)
+            if k > 0:
+                out.append((precision, figure.micro_batch, k))
     return tuple(sorted(out))
 
 

@@ -84,20 +84,27 @@ def pass_probe(*, t2: float, t4: float, t0: float, precision: str = "bf16") -> M
         figure("pass", t0, 1e6, precision=precision, variant=PASS_INTERCEPT, terms=((feature, 1e6),))))
 
 
-def test_a_pass_factor_is_the_slope_of_the_pass_over_its_intercept():
+def test_a_pass_factor_is_the_fitted_per_flop_extra_over_its_gemms():
     study = load_study(ROOT / "studies" / "grid-cpu.yaml")
-    # priced: mbs 2 1e7·1.25 ns = 12.5 ms, mbs 4 20 ms; the intercept 1e6·1 ns = 1 ms (no factor of its own)
-    probe = pass_probe(t2=0.0265, t4=0.041, t0=0.0025)
-    rates = profile_rates(hardware=replace(study.hardware, probe=probe))
-    factors = {(p, b): f for p, b, f in rates.pass_factors}
-    assert factors == {("bf16", 2): pytest.approx((0.0265 - 0.0025) / (0.0125 - 0.001)),
-                       ("bf16", 4): pytest.approx((0.041 - 0.0025) / (0.020 - 0.001))}
-    assert MachineProbe.from_json(probe.to_json()) == probe  # the terms travel with the figure
-    # no intercept, or a pass no slower than its intercept: no factor (the GEMM figures stand alone)
-    alone = replace(probe, figures=tuple(f for f in probe.figures if f.variant != PASS_INTERCEPT))
-    assert profile_rates(hardware=replace(study.hardware, probe=alone)).pass_factors == ()
-    flat = pass_probe(t2=0.002, t4=0.041, t0=0.0025)
-    assert [b for _, b, _ in profile_rates(hardware=replace(study.hardware, probe=flat)).pass_factors] == [4]
+
+    def factors(probe: MachineProbe) -> dict[tuple[str, int], float]:
+        return {(p, b): f for p, b, f in profile_rates(hardware=replace(study.hardware, probe=probe)).pass_factors}
+
+    # priced: mbs 2 1e7·1.25 ns = 12.5 ms, mbs 4 20 ms; the intercept 1e6·1 ns = 1 ms (no factor of its own). Passes
+    # timed as t = 2 ms + p + 0.5 ns per FLOP: the fit finds c = 0.5 ns, k = 1 + c·(F − F₀)/(p − p₀)
+    exact = pass_probe(t2=0.002 + 0.0125 + 0.005, t4=0.002 + 0.020 + 0.010, t0=0.002 + 0.001 + 0.0005)
+    assert factors(exact) == {("bf16", 2): pytest.approx(1 + 0.5e-9 * 9e6 / 0.0115),
+                              ("bf16", 4): pytest.approx(1 + 0.5e-9 * 1.9e7 / 0.019)}
+    assert MachineProbe.from_json(exact.to_json()) == exact  # the terms travel with the figure
+    # 2 ms of noise on the narrow pass moves its factor less than a slope between it and the intercept would
+    noisy = pass_probe(t2=0.002 + 0.0125 + 0.005 + 0.002, t4=0.002 + 0.020 + 0.010, t0=0.002 + 0.001 + 0.0005)
+    two_point = 0.002 / 0.0115  # (t − t₀)/(p − p₀) taken pass by pass: 0.17 more
+    assert abs(factors(noisy)[("bf16", 2)] - factors(exact)[("bf16", 2)]) < two_point / 10
+    assert factors(noisy) != factors(exact)  # the noise is in the fit, spread over the passes
+    # no intercept, or passes that run faster than their GEMMs would (k <= 0): no factor (the GEMMs stand alone)
+    alone = replace(exact, figures=tuple(f for f in exact.figures if f.variant != PASS_INTERCEPT))
+    assert factors(alone) == {}
+    assert factors(pass_probe(t2=0.010 + 0.0125 - 0.013, t4=0.010 + 0.020 - 0.026, t0=0.010 + 0.001 - 0.0013)) == {}
 
 
 def test_the_factor_scales_the_compute_of_its_precision_and_micro_batch_alone():
