@@ -134,7 +134,8 @@ def pass_factors(probe: MachineProbe, *, seconds: list[float | None], flop_facto
     micro-batch 1 / 2 / 4 on grid-llama-cpu), and drops the noise of a slope between two timings of a few ms each:
     taken pass by pass, t − t₀ over p − p₀, grid-llama-cpu's fp32 factor at micro-batch 1 read 0.77–1.40 on eight
     probes of one evening, and one of them priced its best candidate 13th (docs/benchmarks.md, "The probe's cost,
-    cut"). A precision without an intercept, a work no figure prices, or a factor that is not positive gives no
+    cut"). A precision without an intercept, a work no figure prices, or a fit that gives any of its micro-batches
+    a factor that is not positive (its passes do not grow with their work: timings of a loaded machine) gives no
     factor: the GEMM figures stand alone there."""
     out: list[tuple[str, int, float]] = []
     for precision in sorted({f.precision for f in probe.of_kind("pass")}):
@@ -151,12 +152,10 @@ def pass_factors(probe: MachineProbe, *, seconds: list[float | None], flop_facto
         if spread <= 0:
             continue
         extra = sum((f - mean_f) * (t - p - mean_y) for f, p, t in points) / spread  # c: seconds per FLOP
-        for figure, p in timed:
-            if figure.variant or p is None or p <= p0:
-                continue
-            k = 1 + extra * (figure.work - intercept.work) / (p - p0)
-            if k > 0:
-                out.append((precision, figure.micro_batch, k))
+        fitted = [(figure.micro_batch, 1 + extra * (figure.work - intercept.work) / (p - p0))
+                  for figure, p in timed if not figure.variant and p is not None and p > p0]
+        if all(k > 0 for _, k in fitted):  # else the fit says a pass does not grow with its work: noise, no factor
+            out += [(precision, micro_batch, k) for micro_batch, k in fitted]
     return tuple(sorted(out))
 
 

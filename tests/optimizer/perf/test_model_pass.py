@@ -105,6 +105,9 @@ def test_a_pass_factor_is_the_fitted_per_flop_extra_over_its_gemms():
     alone = replace(exact, figures=tuple(f for f in exact.figures if f.variant != PASS_INTERCEPT))
     assert factors(alone) == {}
     assert factors(pass_probe(t2=0.010 + 0.0125 - 0.013, t4=0.010 + 0.020 - 0.026, t0=0.010 + 0.001 - 0.0013)) == {}
+    # one micro-batch's factor not positive (here the wide one: k4 = 1 - 1.1·19/19 < 0 < k2 = 1 - 1.1·9/11.5): the
+    # precision has none, not a factor at the narrow one alone
+    assert factors(pass_probe(t2=0.010 + 0.0125 - 0.011, t4=0.010 + 0.020 - 0.022, t0=0.010 + 0.001 - 0.0011)) == {}
 
 
 def test_the_factor_scales_the_compute_of_its_precision_and_micro_batch_alone():

@@ -84,13 +84,14 @@ def test_dsopt_probe_times_every_planned_operation_and_caches_it(tmp_path, monke
     assert passes == {(p, b, "") for p in plan.precisions for b in plan.micro_batches} | {
         (p, 0, "intercept") for p in plan.precisions}
     assert all(f["terms"] for f in probe["figures"] if f["kind"] == "pass")
-    # the widest micro-batch is far from its intercept (4 × 64 tokens against 16): a factor in every precision, and
-    # one the GEMMs' figures and the pass agree on within a few times (1 where the FLOP count says it all)
-    widest = max(plan.micro_batches)
-    assert {(p, widest) for p in plan.precisions} <= {(p, b) for p, b, _ in rates.pass_factors}
-    # (a narrow micro-batch's slope over its intercept is noisy on 2 shared cores: 64 tokens against 16; a CI run put
-    # one outside this range while its other tests ran beside it)
-    assert all(0.25 < factor < 4 for _, b, factor in rates.pass_factors if b == widest)
+    # factors the GEMMs' figures and the pass agree on within a few times (1 where the FLOP count says it all), each
+    # of a planned precision and micro-batch, every micro-batch of a precision that has one. Which precisions get
+    # one is the timings' (a fit that says the passes do not grow with their work gives none: a CI run, other tests
+    # sharing the 2 cores, left bf16 without), not asserted here beyond one: tests/optimizer/perf/test_model_pass.py
+    factored = {p for p, _, _ in rates.pass_factors}
+    assert factored and factored <= set(plan.precisions)
+    assert {(p, b) for p, b, _ in rates.pass_factors} == {(p, b) for p in factored for b in plan.micro_batches}
+    assert all(0.25 < factor < 4 for _, _, factor in rates.pass_factors)
 
 
 def test_a_probe_that_fails_in_the_reference_launch_fails_alone(tmp_path, monkeypatch):
