@@ -34,16 +34,24 @@ def ops_study(folder: Path, *, nvme: bool = False, offload_optimizer=("none", "c
 
 def main(folder: Path) -> int:
     """Build or load every op the suite's CPU runs use (shared memory, fused and CPU Adam, async I/O) as a study's
-    first step does — dsopt's own ``prepare_ops``, under its node lock — at a low priority."""
+    first step does — dsopt's own ``prepare_ops``, under its node lock — at a low priority. The session killed (its
+    xdist worker dead), this build ends as a killed ``dsopt`` does (:mod:`launchers.process.termination`): the
+    build locks its op load holds recorded with their owner, so the next launch removes them, before it is
+    stopped."""
     import signal
 
     import launchers.study.op_prep as op_prep
     from launchers.process.orphan_guard import die_with_parent
+    from launchers.process.termination import end_on_termination, exit_status
 
+    end_on_termination()
     die_with_parent(signal.SIGTERM)  # the session killed: this build goes too (op_load's goes with it)
     os.nice(10)  # the tests that run meanwhile come first
     spec = ops_study(folder, nvme=True, offload_optimizer=("none", "cpu", "nvme"))
-    op_prep.prepare_ops(spec=spec, gpus=None, worker="the suite's op build", say=print)
+    try:
+        op_prep.prepare_ops(spec=spec, gpus=None, worker="the suite's op build", say=print)
+    except KeyboardInterrupt as interrupt:
+        return exit_status(interrupt)
     return 0
 
 

@@ -224,7 +224,8 @@ def execute(plan: LaunchPlan, *, timeout_s: float, log_path: Path) -> Execution:
 
     Build locks: before the launch, those :func:`~launchers.ops.build_locks.clear_stale_build_locks` condemns are
     removed; during it, those its ranks hold are recorded; after a failure (every rank is gone by then) the
-    recorded ones, now provably orphaned on this node, are removed."""
+    recorded ones, now provably orphaned on this node, are removed — after an interruption too (Ctrl-C; SIGTERM or
+    SIGHUP under ``dsopt``, :mod:`launchers.process.termination`), before it is raised on."""
     launch_id = plan.env[LAUNCH_ID_VAR]
     locks_root = Path(plan.env["TORCH_EXTENSIONS_DIR"])
     clear_stale_build_locks(locks_root)
@@ -244,10 +245,11 @@ def execute(plan: LaunchPlan, *, timeout_s: float, log_path: Path) -> Execution:
                 watch()  # the locks held at the moment the ranks are stopped
                 stop_launch(launch_id)
                 proc.wait()
-        except BaseException:  # KeyboardInterrupt (SIGINT) or any other exit: take the ranks down too
+        except BaseException:  # KeyboardInterrupt (SIGINT; SIGTERM under dsopt) or any other exit: ranks go too
             watch()
             stop_launch(launch_id, grace_s=2.0)
             proc.wait()
+            clear_stale_build_locks(locks_root)  # the locks its stopped ranks held: the next launch waits on none
             raise
     leftover = bool(marked_processes(launch_id))
     if leftover:

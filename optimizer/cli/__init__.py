@@ -3,7 +3,8 @@ library or launcher call); nothing below it imports it.
 
 ``main()`` returns the exit code: 0 on success, 2 on a user mistake (printed on one line); ``dsopt trial``
 returns 1 when the trial ran and failed (its outcome — oom, oom_host, nan, unsupported, timeout, crash —
-is printed).
+is printed). Run as the ``dsopt`` command (:func:`entry`), SIGTERM and SIGHUP end it as Ctrl-C does — the running
+trial recorded as failed, its ranks stopped — with 128 + the signal's number (:mod:`launchers.process.termination`).
 """
 
 from __future__ import annotations
@@ -44,11 +45,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> int:
     """The ``dsopt`` console script and ``python -m optimizer.cli``: :func:`main` in a process of its own, whose
-    garbage collector is set for planning (fewer collections, none at exit: :mod:`launchers.process.collector`)."""
+    garbage collector is set for planning (fewer collections, none at exit: :mod:`launchers.process.collector`) and
+    which SIGTERM or SIGHUP ends as Ctrl-C does (:mod:`launchers.process.termination`): one line, no traceback."""
     from launchers.process.collector import for_planning
+    from launchers.process.termination import end_on_termination, exit_status, interrupt_name
 
     for_planning()
-    return main()
+    end_on_termination()
+    try:
+        return main()
+    except KeyboardInterrupt as interrupt:  # a command that has no message of its own for it
+        print(f"dsopt: {interrupt_name(interrupt)}", file=sys.stderr)
+        return exit_status(interrupt)
 
 
 if __name__ == "__main__":

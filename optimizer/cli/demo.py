@@ -25,9 +25,11 @@ def run(args: argparse.Namespace) -> int:
     except ReferenceFailed as failed:
         print(f"dsopt: {failed}; see {study.output_dir / 'reference' / 'log.txt'}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("dsopt: interrupted; run the demo again to continue", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM/SIGHUP under `dsopt` (launchers.process.termination)
+        from launchers.process.termination import exit_status, interrupt_name
+
+        print(f"dsopt: {interrupt_name(interrupt)}; run the demo again to continue", file=sys.stderr)
+        return exit_status(interrupt)
     c, trial = demo.counts, demo.picked
     budget = study.hardware.gpu_memory_bytes
     headroom = study.budget.headroom_for(study.hardware.accelerator)

@@ -25,10 +25,12 @@ def _run(study: StudySpec, storage: str, args: argparse.Namespace, *, parallel: 
     except ReferenceFailed as failed:
         print(f"dsopt: {failed}; see {study.output_dir / 'reference' / 'log.txt'}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("dsopt: interrupted; the running trial is recorded as failed — run the same command to continue",
-              file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM/SIGHUP under `dsopt` (launchers.process.termination)
+        from launchers.process.termination import exit_status, interrupt_name
+
+        print(f"dsopt: {interrupt_name(interrupt)}; the running trial is recorded as failed — run the same command "
+              "to continue", file=sys.stderr)
+        return exit_status(interrupt)
     c = counts(result)
     who = " (all workers)" if parallel else ""
     summary = sys.stderr if mode is ProgressMode.JSONL else sys.stdout  # stdout: the records only

@@ -149,7 +149,10 @@ def _no_rank_left(folder: Path) -> bool:
     return trial_processes(folder) == []
 
 
-def test_sigint_then_resume_loses_and_repeats_nothing(tmp_path):
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupt_then_resume_loses_and_repeats_nothing(tmp_path, sig, status):
+    """Ctrl-C, or SIGTERM as a batch system ends a job (SLURM at its time limit, ``scancel``): the running trial is
+    recorded as failed, no rank is left, and the same command resumes with nothing lost or launched twice."""
     path = small_study(tmp_path, zero_stage=[0, 1, 2, 3], precision=["fp32", "bf16"], micro_batch_size=[1, 2])
     spec = load_study(path)
     storage = default_storage(spec)
@@ -174,9 +177,10 @@ def test_sigint_then_resume_loses_and_repeats_nothing(tmp_path):
             completed_before = [t.user_attrs["label"] for t in done]
             break
     assert completed_before, "no trial completed while another was running"
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err[-2000:]
+    assert proc.returncode == status, err[-2000:]
+    assert "the running trial is recorded as failed" in err, err[-2000:]
     assert _no_rank_left(tmp_path)
     interrupted = optuna.load_study(study_name=spec.name, storage=storage)
     assert any(t.state is TrialState.FAIL for t in interrupted.get_trials())
