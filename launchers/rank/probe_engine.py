@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from launchers.measure.gc_pauses import settle_heap
+from launchers.rank.probe_pass import skip_reason
 
 Once = Callable[[Callable[[], object], int], float]
 """Seconds of ``repeats`` runs of an operation in a row (:meth:`launchers.rank.probe_rank.Timer.once`)."""
@@ -68,8 +69,7 @@ def engines_timed(once: Once, engines: Sequence[dict[str, Any]], *, rounds: int,
         try:
             accumulating, stepping = engine_rounds(once, engine, rounds=rounds, device=device)
         except Exception as err:  # a stage this machine cannot run (fp16 on a CPU without it) is a finding
-            skipped.append({"what": f"engine {variant} {what['precision']}",
-                            "why": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"})
+            skipped.append({"what": f"engine {variant} {what['precision']}", "why": skip_reason(err)})
             continue
         finally:  # the engine freed before the next one is built (ZeRO-3's hooks hold it in cycles; its device memory
             settle_heap()  # on GPUs), by a collection of what the probe made since its last one (probe_rank.run)

@@ -16,17 +16,25 @@ from typing import Any
 from launchers.measure.gc_pauses import settle_heap
 
 
+def skip_reason(err: BaseException) -> str:
+    """Why an operation of the probe was skipped, in one line: the exception's type and its message's first line (200
+    characters). Every skip the probe writes (:mod:`launchers.rank.probe_rank`, :mod:`launchers.rank.probe_engine`)
+    reads the same."""
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+
+
 def cast_as_deepspeed(model: Any, precision: str) -> None:
     """``model``'s floating-point parameters in ``precision``'s dtype, its buffers as they are: DeepSpeed 0.19's cast
     of a bf16/fp16 engine (``runtime/engine.py`` ``_cast_module_mixed_precision``, ``CASTABLE_DTYPES``); an fp32
     engine casts nothing (a 4-bit base's bf16-stored packed weights stay as they are)."""
     import torch
+    from deepspeed.runtime.engine import CASTABLE_DTYPES
 
     target = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     if target is None:
         return
     for param in model.parameters():
-        if param.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) and param.dtype != target:
+        if param.dtype in CASTABLE_DTYPES and param.dtype != target:
             param.data = param.data.to(target)
 
 
@@ -61,8 +69,7 @@ def pass_figures(rounds: Callable[[Callable[[], object]], list[float]], plan: di
         try:
             seconds = timed_pass(rounds, model, batch)
         except Exception as err:  # a pass this card cannot run is a finding, not the probe's end
-            skipped.append({"what": what, "why": f"{type(err).__name__}: "
-                            f"{str(err).splitlines()[0][:200] if str(err) else ''}"})
+            skipped.append({"what": what, "why": skip_reason(err)})
             seconds = None
         del batch
         if device.type == "cuda":

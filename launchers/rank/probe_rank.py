@@ -249,7 +249,7 @@ def probe_all(plan: dict[str, Any], *, begin: float | None) -> dict[str, Any]:
     import torch
 
     from launchers.rank.probe_engine import engines_timed
-    from launchers.rank.probe_pass import pass_figures
+    from launchers.rank.probe_pass import pass_figures, skip_reason
 
     cuda = plan["accelerator"] == "cuda"
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -265,8 +265,7 @@ def probe_all(plan: dict[str, Any], *, begin: float | None) -> dict[str, Any]:
         try:
             figures.append({**what, "rounds_s": rounds()})
         except Exception as err:  # an operation this machine cannot run is a finding, not a crash
-            skipped.append({"what": " ".join(str(v) for v in what.values() if v), "why": f"{type(err).__name__}: "
-                            f"{str(err).splitlines()[0][:200] if str(err) else ''}"})
+            skipped.append({"what": " ".join(str(v) for v in what.values() if v), "why": skip_reason(err)})
 
     for precision in plan["precisions"]:
         for micro_batch in plan["micro_batches"]:
@@ -318,8 +317,7 @@ def probe_all(plan: dict[str, Any], *, begin: float | None) -> dict[str, Any]:
             figures += timed
             skipped += missed
         except Exception as err:  # a model that cannot be built here is a finding: the GEMM figures stand alone
-            skipped.append({"what": f"model pass {model_pass['precision']}",
-                            "why": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"})
+            skipped.append({"what": f"model pass {model_pass['precision']}", "why": skip_reason(err)})
     engine_figures, engine_skipped = engines_timed(timer.once, plan.get("engines", ()), rounds=ENGINE_ROUNDS,
                                                    precision=plan.get("engine_precision", ""), device=device)
     figures += engine_figures
