@@ -34,8 +34,9 @@ case "${1:-}" in
     "$venv/bin/lint-imports"   # the layers contract in pyproject.toml
     # two workers (pytest-xdist), each taking whole test files: a module's shared fixtures (a study, a real run)
     # are made once, and the CPU a launch leaves idle (its imports, rendezvous, one rank waiting on the other) is
-    # used by the other worker; the slowest 25 printed
-    "$py" -m pytest -q -n 2 --dist loadfile --durations=25
+    # used by the other worker; the slowest 25 printed. A worker that crashes ends the run at once, failed: a
+    # replaced worker under --dist loadfile can leave the run waiting for ever (pytest-xdist issue #1378)
+    "$py" -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=25
     ;;
   services)
     bash .ci/services

@@ -63,6 +63,34 @@ def grouped_mm_for_fake_tensors(seen: list[str]) -> Iterator[None]:
         functional.grouped_mm = original
 
 
+def _the_same_mode(mode: Any, _memo: dict[int, Any]) -> Any:
+    return mode
+
+
+@contextlib.contextmanager
+def copies_keep_their_fake_mode() -> Iterator[None]:
+    """Within the block a deep copy of a fake tensor keeps the fake mode it was made in. ``copy.deepcopy`` of a
+    ``FakeTensor`` — PEFT's ``modules_to_save`` (``peft/utils/other.py``, ``ModulesToSaveWrapper``), TRL's reference
+    copy — copies the tensor's ``__dict__`` and with it its ``fake_mode`` (torch 2.13, ``_tensor.py``
+    ``Tensor.__deepcopy__``): a second ``FakeTensorMode``, a field-by-field copy of the first's caches and tensor
+    converter, left alive in the process. An op cannot mix the two ("Mixing fake modes NYI"), and after such copies
+    torch's fake dispatch crashed the suite's process with SIGSEGV (``_cached_dispatch_impl``; docs/benchmarks.md,
+    "The suite"; twice in ``tests/optimizer/study/test_trainable.py``, the build after a ``modules_to_save`` one). A
+    mode is a context, not a value: here its copies are itself."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    missing = object()
+    before = FakeTensorMode.__dict__.get("__deepcopy__", missing)
+    FakeTensorMode.__deepcopy__ = _the_same_mode  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if before is missing:
+            del FakeTensorMode.__deepcopy__
+        else:
+            FakeTensorMode.__deepcopy__ = before  # type: ignore[attr-defined]
+
+
 def in_one_fake_mode(model: torch.nn.Module, mode: Any) -> int:
     """Make every fake parameter and buffer of ``model`` one of ``mode``'s (shape, strides, dtype, device and
     ``requires_grad`` kept, a shared tensor remade once); returns how many were remade. PEFT's ``modules_to_save``

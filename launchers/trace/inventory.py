@@ -129,6 +129,7 @@ def _build_entry_point(model_spec: dict[str, Any], *, sequence_length: int) -> t
         function = load_entry_point(name)
     except (ImportError, AttributeError, ValueError) as err:
         raise EntryPointBroken(f"cannot load {name}: {type(err).__name__}: {err}") from None
+    from launchers.models.fake_kernels import copies_keep_their_fake_mode
     from launchers.models.trainable import apply_trainable
 
     args = (model_spec, sequence_length, 0, "none")
@@ -140,7 +141,7 @@ def _build_entry_point(model_spec: dict[str, Any], *, sequence_length: int) -> t
         except (EntryPointBroken, TrainableSetupError):
             raise
         except Exception:
-            with FakeTensorMode():
+            with FakeTensorMode(), copies_keep_their_fake_mode():
                 model = apply_trainable(_entry_model(function(*args), name), model_spec)
             how = f"fake-tensor build of entry point {name}"
     return model, how
@@ -153,6 +154,7 @@ def take_inventory(model_spec: dict[str, Any], *, sequence_length: int) -> Param
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from launchers.models.builtin import build_model
+    from launchers.models.fake_kernels import copies_keep_their_fake_mode
     from launchers.models.trainable import apply_trainable
 
     versions = installed_versions()
@@ -161,7 +163,7 @@ def take_inventory(model_spec: dict[str, Any], *, sequence_length: int) -> Param
             model, how = _build_entry_point(model_spec, sequence_length=sequence_length)
         else:
             eager = {**model_spec, "attention": "eager"}  # the same parameters; every family has an eager kernel
-            with FakeTensorMode():  # what trains, as the ranks apply it, in the same mode
+            with FakeTensorMode(), copies_keep_their_fake_mode():  # what trains, as the ranks apply it, in one mode
                 model = apply_trainable(build_model(eager, checkpointing="none", dtype=torch.float32), model_spec)
             how = (f"fake-tensor build: transformers {versions.get('transformers')} AutoModelForCausalLM.from_config"
                    if model_spec.get("hf_config") else "fake-tensor build of dsopt's GPT")

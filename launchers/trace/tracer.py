@@ -30,7 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from launchers.models.fake_kernels import grouped_mm_for_fake_tensors, in_one_fake_mode
+from launchers.models.fake_kernels import (
+    copies_keep_their_fake_mode,
+    grouped_mm_for_fake_tensors,
+    in_one_fake_mode,
+)
 from launchers.models.four_bit import emulate_four_bit_matmuls
 from launchers.models.reference import anchored, freeze_all, frozen_copy_spec, reference_forward
 from launchers.models.zero3_linear import deepspeed_linear
@@ -294,7 +298,8 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
     events = zero3 or not any(model_spec.get(key) for key in ("peft", "frozen", "quantization"))
     try:
         # what the model prints goes to stderr: stdout may carry ``--json``
-        with FakeTensorMode() as mode, grouped_mm_for_fake_tensors(notes), contextlib.redirect_stdout(sys.stderr):
+        with FakeTensorMode() as mode, copies_keep_their_fake_mode(), grouped_mm_for_fake_tensors(notes), \
+                contextlib.redirect_stdout(sys.stderr):
             torch.set_default_dtype(DTYPES[precision])
             try:
                 if model_spec.get("entry_point"):
@@ -309,7 +314,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
                 four_bit = model_spec.get("quantization")
                 casts = not zero3 or bool(model_spec.get(ADAPTERS_CAST))
                 model = apply_trainable(model, model_spec, as_deepspeed_casts=casts)
-                in_one_fake_mode(model, mode)  # PEFT's modules_to_save copies
+                in_one_fake_mode(model, mode)  # a copy made outside copies_keep_their_fake_mode (none known)
                 if four_bit:  # the 4-bit layers' dequantized weights, where they happen
                     emulate_four_bit_matmuls(model, four_bit)
                 reference = _reference_model(model_spec, sequence_length)

@@ -38,8 +38,13 @@ print("ok")
 """
 PEFT_TRACE = """
 import dataclasses, json
+import launchers.trace.tracer as tracer
 from launchers.trace.inventory import with_inventory
 from launchers.trace.tracer import TraceResult, trace
+
+remade = []
+one_mode = tracer.in_one_fake_mode
+tracer.in_one_fake_mode = lambda model, mode: remade.append(one_mode(model, mode)) or remade[-1]
 from launchers.trial.run import model_dict
 from optimizer.study.knobs import Precision
 from optimizer.study.study_file import load_study
@@ -52,6 +57,24 @@ result = trace(model_spec=model_dict(study.model), checkpointing="none", precisi
                sequence_length=study.training.sequence_length)
 assert isinstance(result, TraceResult), result
 assert result.parameters == study.model.inventory.trainable_parameters, (result.parameters, study.model.inventory)
+assert remade == [0], remade  # PEFT's copy of the head was made in the trace's mode: nothing to remake
+print("ok")
+"""
+COPIES = """
+import copy, gc
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from launchers.models.fake_kernels import copies_keep_their_fake_mode
+
+with FakeTensorMode() as mode, copies_keep_their_fake_mode():
+    linear = torch.nn.Linear(4, 4)
+    twin = copy.deepcopy(linear)
+    assert twin.weight.fake_mode is mode and twin.bias.fake_mode is mode and twin.weight is not linear.weight
+    assert twin(linear(torch.randn(2, 4))).shape == (2, 4)  # one mode: the two mix
+assert "__deepcopy__" not in FakeTensorMode.__dict__  # torch's own behaviour back after the block
+del linear, twin, mode
+gc.collect()
+assert not [o for o in gc.get_objects() if isinstance(o, FakeTensorMode)]
 print("ok")
 """
 
@@ -66,8 +89,15 @@ def test_a_deep_copy_gets_a_mode_of_its_own_until_made_one_of_the_traces():
     _in_a_process(BODY)
 
 
+def test_a_deep_copy_in_the_block_keeps_its_mode_and_leaves_none_behind():
+    """launchers/models/fake_kernels.py ``copies_keep_their_fake_mode``: the copy is the mode's, ops mix the two, and
+    no second mode is left alive in the process (the suite's SIGSEGVs in fake dispatch came after such copies)."""
+    _in_a_process(COPIES)
+
+
 def test_a_peft_model_with_modules_to_save_is_traced():
     """PEFT's own ModulesToSaveWrapper on the LoRA study's Llama: the trace runs (it fell back to the formula with
-    "Mixing fake modes NYI") and counts what trains as the inventory does (the head's copy included)."""
+    "Mixing fake modes NYI") and counts what trains as the inventory does (the head's copy included). The copy is
+    the trace's own mode's (``copies_keep_their_fake_mode``): ``in_one_fake_mode`` finds nothing left to remake."""
     pytest.importorskip("peft")
     _in_a_process(PEFT_TRACE)
