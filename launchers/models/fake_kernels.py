@@ -13,7 +13,8 @@ BF16 inputs keep the library's own function.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import importlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -61,6 +62,22 @@ def grouped_mm_for_fake_tensors(seen: list[str]) -> Iterator[None]:
         yield
     finally:
         functional.grouped_mm = original
+
+
+LAZY_IMPORTS = (("peft", "peft"), ("quantization", "bitsandbytes"))
+"""(model_spec key, module): the libraries a model build imports lazily when the spec uses them."""
+
+
+def import_before_faking(model_spec: Mapping[str, Any]) -> None:
+    """Import, outside any fake mode, what ``model_spec``'s build would import lazily inside one. A module first
+    imported under ``FakeTensorMode`` makes the tensors it creates at import fake, and keeps them and their mode for
+    the life of the process: PEFT 0.21's LoHa defaults ``scale=torch.tensor(1)`` (``peft/tuners/loha/layer.py``
+    ``HadaWeight.forward``, ``HadaWeightCP.forward``), imported with ``peft`` by the first LoRA build. A library
+    that is not installed is left to the build to report."""
+    for key, module in LAZY_IMPORTS:
+        if model_spec.get(key):
+            with contextlib.suppress(ImportError):
+                importlib.import_module(module)
 
 
 def _the_same_mode(mode: Any, _memo: dict[int, Any]) -> Any:

@@ -129,10 +129,11 @@ def _build_entry_point(model_spec: dict[str, Any], *, sequence_length: int) -> t
         function = load_entry_point(name)
     except (ImportError, AttributeError, ValueError) as err:
         raise EntryPointBroken(f"cannot load {name}: {type(err).__name__}: {err}") from None
-    from launchers.models.fake_kernels import copies_keep_their_fake_mode
+    from launchers.models.fake_kernels import copies_keep_their_fake_mode, import_before_faking
     from launchers.models.trainable import apply_trainable
 
     args = (model_spec, sequence_length, 0, "none")
+    import_before_faking(model_spec)
     with contextlib.redirect_stdout(sys.stderr):
         try:
             with meta_parameters():  # the adapters too: PEFT registers them, and they go to the meta device
@@ -154,10 +155,11 @@ def take_inventory(model_spec: dict[str, Any], *, sequence_length: int) -> Param
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from launchers.models.builtin import build_model
-    from launchers.models.fake_kernels import copies_keep_their_fake_mode
+    from launchers.models.fake_kernels import copies_keep_their_fake_mode, import_before_faking
     from launchers.models.trainable import apply_trainable
 
     versions = installed_versions()
+    import_before_faking(model_spec)
     try:
         if model_spec.get("entry_point"):
             model, how = _build_entry_point(model_spec, sequence_length=sequence_length)

@@ -33,6 +33,7 @@ from torch import nn
 from launchers.models.fake_kernels import (
     copies_keep_their_fake_mode,
     grouped_mm_for_fake_tensors,
+    import_before_faking,
     in_one_fake_mode,
 )
 from launchers.models.four_bit import emulate_four_bit_matmuls
@@ -296,6 +297,7 @@ def trace(*, model_spec: dict[str, Any], checkpointing: str, precision: Precisio
     # the module events drive the ZeRO-3 replay: a model that trains in part has its ZeRO-3 trace apart, so its others
     # need none (the events' autograd functions are ~15 % of a trace)
     events = zero3 or not any(model_spec.get(key) for key in ("peft", "frozen", "quantization"))
+    import_before_faking(model_spec)
     try:
         # what the model prints goes to stderr: stdout may carry ``--json``
         with FakeTensorMode() as mode, copies_keep_their_fake_mode(), grouped_mm_for_fake_tensors(notes), \

@@ -78,6 +78,22 @@ assert not [o for o in gc.get_objects() if isinstance(o, FakeTensorMode)]
 print("ok")
 """
 
+NOTHING_FAKE_LEFT = """
+import gc, os, sys, tempfile
+os.environ["DSOPT_CACHE_DIR"] = tempfile.mkdtemp()  # a build, not a cached inventory
+from launchers.trace.inventory import with_inventory
+from optimizer.study.study_file import load_study
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+assert "peft" not in sys.modules  # the build imports it, as a dsopt process's first LoRA build does
+study = with_inventory(load_study("studies/grid-lora-llama-cpu.yaml"))
+assert study.model.inventory is not None and study.model.inventory.trainable_parameters > 0
+gc.collect()
+left = [o for o in gc.get_objects() if isinstance(o, (FakeTensor, FakeTensorMode))]
+assert not left, [type(o).__name__ for o in left]
+print("ok")
+"""
+
 
 def _in_a_process(code: str) -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -101,3 +117,11 @@ def test_a_peft_model_with_modules_to_save_is_traced():
     the trace's own mode's (``copies_keep_their_fake_mode``): ``in_one_fake_mode`` finds nothing left to remake."""
     pytest.importorskip("peft")
     _in_a_process(PEFT_TRACE)
+
+
+def test_a_lora_build_leaves_no_fake_tensor_or_mode_in_the_process():
+    """PEFT imported for the first time inside the build's fake mode kept LoHa's import-time default tensors
+    (``peft/tuners/loha/layer.py`` ``HadaWeight.forward``: ``scale=torch.tensor(1)``) fake, with their mode, for the
+    life of the process; the build now imports what it needs first (``import_before_faking``)."""
+    pytest.importorskip("peft")
+    _in_a_process(NOTHING_FAKE_LEFT)
