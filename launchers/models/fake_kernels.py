@@ -64,16 +64,19 @@ def grouped_mm_for_fake_tensors(seen: list[str]) -> Iterator[None]:
         functional.grouped_mm = original
 
 
-LAZY_IMPORTS = (("peft", "peft"), ("quantization", "bitsandbytes"))
-"""(model_spec key, module): the libraries a model build imports lazily when the spec uses them."""
+LAZY_IMPORTS = (("peft", "peft"), ("peft", "bitsandbytes"), ("quantization", "bitsandbytes"))
+"""(model_spec key, module): the libraries a model build imports lazily when the spec uses them. PEFT's adapters
+import bitsandbytes where it is installed, 4-bit or not (peft 0.22, ``import_utils.py:91``
+``is_bnb_4bit_available``), whose import makes its 4-bit code tables (``bitsandbytes/backends/utils.py``)."""
 
 
 def import_before_faking(model_spec: Mapping[str, Any]) -> None:
     """Import, outside any fake mode, what ``model_spec``'s build would import lazily inside one. A module first
     imported under ``FakeTensorMode`` makes the tensors it creates at import fake, and keeps them and their mode for
     the life of the process: PEFT 0.21's LoHa defaults ``scale=torch.tensor(1)`` (``peft/tuners/loha/layer.py``
-    ``HadaWeight.forward``, ``HadaWeightCP.forward``), imported with ``peft`` by the first LoRA build. A library
-    that is not installed is left to the build to report."""
+    ``HadaWeight.forward``, ``HadaWeightCP.forward``), imported with ``peft`` by the first LoRA build; bitsandbytes'
+    4-bit code tables, imported by PEFT 0.22's LoRA build. A library that is not installed is left to the build to
+    report."""
     for key, module in LAZY_IMPORTS:
         if model_spec.get(key):
             with contextlib.suppress(ImportError):
